@@ -1,0 +1,146 @@
+"""The ``patchserve`` command. Subcommands come from the ``patchserve.commands`` entry-point group, so the
+server and trainer packages add their own (serve, train, ...) without this package importing them.
+
+Commands owned here: ``inspect`` (read a patch file) and the registry commands ``tasks`` and ``register``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from patches.errors import PatchServeError
+
+DEFAULT_REGISTRY = "disk://./registry"
+REGISTRY_ENV = "PATCHSERVE_REGISTRY"
+
+
+def add_registry_option(p: argparse.ArgumentParser) -> None:
+    """``--registry URL`` with the shared env var and default."""
+    p.add_argument(
+        "--registry",
+        default=os.environ.get(REGISTRY_ENV, DEFAULT_REGISTRY),
+        help=f"registry URL: disk:///path (a local folder) or redis://host:port/db; env {REGISTRY_ENV}; "
+        f"default {DEFAULT_REGISTRY}",
+    )
+
+
+def patch_summary(patch: Any) -> dict[str, Any]:
+    """What ``inspect`` shows about a patch (also used by the server's responses)."""
+    m = patch.meta
+    return {
+        "task": m.task,
+        "kind": m.kind,
+        "labels": m.labels,
+        "patch_id": patch.patch_id,
+        "n_params": patch.n_params,
+        "n_bias_tensors": len(patch.biases),
+        "base": {"name": m.base.name, "fingerprint": m.base.fingerprint},
+        "bias_subset": m.bias_subset,
+        "pooling": m.pooling,
+        "max_seq_length": m.max_seq_length,
+        "metrics": m.metrics,
+        "training": m.training,
+        "created_at": m.created_at,
+        "format_version": m.format_version,
+        "size_bytes": len(patch.data),
+    }
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from patches.format import Patch
+
+    path = Path(args.file)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        print(f"error: cannot read {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    try:
+        patch = Patch.from_bytes(data, max_bytes=args.max_bytes)
+    except PatchServeError as exc:
+        print(f"error: {path} is not a valid patch: {exc}", file=sys.stderr)
+        return 1
+    info = patch_summary(patch)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        shown = json.dumps(value) if isinstance(value, dict | list) else value
+        print(f"{key:<{width}}  {shown}")
+    return 0
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from patches.store import open_registry
+
+    reg = open_registry(args.registry)
+    snap = reg.snapshot()
+    if args.json:
+        print(json.dumps({t: v.to_dict() for t, v in snap.items()}, indent=2))
+    elif not snap:
+        print(f"no tasks registered in {reg.url}")
+    else:
+        for task, v in snap.items():
+            print(f"{task}\tv{v.version}\t{v.patch_id}\t{v.registered_at}")
+    return 0
+
+
+def _register(args: argparse.Namespace) -> int:
+    from patches.format import Patch
+    from patches.store import open_registry
+
+    patch = Patch.from_bytes(Path(args.file).read_bytes())
+    info = open_registry(args.registry).put(patch)
+    print(f"registered {info.task} v{info.version} ({info.patch_id})")
+    return 0
+
+
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="print a patch file's metadata; exit 1 with the reason if it is invalid")
+    p.add_argument("file", help="a .safetensors patch file")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024, help="refuse files larger than this")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("tasks", help="list the tasks in a registry with their current versions")
+    add_registry_option(p)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_tasks)
+
+    p = sub.add_parser("register", help="store a patch file as the new current version of its task")
+    p.add_argument("file", help="a .safetensors patch file")
+    add_registry_option(p)
+    p.set_defaults(func=_register)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="patchserve",
+        description="Serve and train BitFit bias patches on one frozen shared encoder.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for ep in sorted(entry_points(group="patchserve.commands"), key=lambda e: e.name):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PatchServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

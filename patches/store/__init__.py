@@ -1,0 +1,45 @@
+"""Patch registries: ``open_registry(url)`` picks the backend from the URL scheme.
+
+* ``disk:///abs/path`` or a plain folder path (the default, embedded);
+* ``redis://host:port/db`` or ``rediss://...`` (several replicas); ``?prefix=name:`` sets the key prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from patches.errors import RegistryError
+from patches.store.base import Change, Registry, VersionInfo, diff_snapshots
+from patches.store.disk import DiskRegistry
+
+
+def _open_disk(url: str) -> Registry:
+    path = url[len("disk://") :] if url.startswith("disk://") else url
+    if not path:
+        raise RegistryError("disk registry URL has no path: use disk:///absolute/path or disk://relative/path")
+    return DiskRegistry(path)
+
+
+def _open_redis(url: str) -> Registry:
+    from patches.store.redis import RedisRegistry
+
+    return RedisRegistry(url)
+
+
+BACKENDS: dict[str, Callable[[str], Registry]] = {
+    "disk": _open_disk,
+    "redis": _open_redis,
+    "rediss": _open_redis,
+    "unix": _open_redis,
+}
+
+
+def open_registry(url: str) -> Registry:
+    """Open the registry a URL names. A URL without a scheme is a disk folder."""
+    scheme = url.split("://", 1)[0] if "://" in url else "disk"
+    if scheme not in BACKENDS:
+        raise RegistryError(f"unknown registry URL scheme {scheme!r} in {url!r}; use one of {sorted(BACKENDS)}")
+    return BACKENDS[scheme](url)
+
+
+__all__ = ["BACKENDS", "Change", "DiskRegistry", "Registry", "VersionInfo", "diff_snapshots", "open_registry"]

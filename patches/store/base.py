@@ -1,0 +1,149 @@
+"""The registry interface shared by the disk and Redis backends.
+
+A registry maps task names to numbered versions of patches; one version per task is *current* (what the server
+serves). Versions are immutable. Every change bumps a *generation* counter, which makes watching cheap and lossless:
+a watcher waits for the generation to move, then diffs a snapshot of the current versions -- so a missed
+notification can only delay a change, never lose it.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from patches.errors import RegistryError
+from patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One stored version of a task's patch."""
+
+    task: str
+    version: int
+    patch_id: str
+    size: int
+    registered_at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> VersionInfo:
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Change:
+    """The current version of ``task`` changed; ``current`` is None when the task was deleted."""
+
+    task: str
+    current: VersionInfo | None
+
+
+def diff_snapshots(old: dict[str, VersionInfo], new: dict[str, VersionInfo]) -> list[Change]:
+    """Changes that turn snapshot ``old`` into ``new`` (new/updated/rolled-back tasks, then deleted ones)."""
+    changes = [Change(t, v) for t, v in sorted(new.items()) if old.get(t) != v]
+    changes += [Change(t, None) for t in sorted(old) if t not in new]
+    return changes
+
+
+class Registry(ABC):
+    """Where patches live. Thread-safe; every method is blocking (the server calls it from worker threads)."""
+
+    url: str
+    max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES
+
+    # --- writes --------------------------------------------------------------------------------------------
+    @abstractmethod
+    def put(self, patch: Patch) -> VersionInfo:
+        """Store ``patch`` as a new version (n+1) of ``patch.meta.task`` and make it current."""
+
+    @abstractmethod
+    def delete(self, task: str) -> None:
+        """Remove a task and all its versions. Raises TaskNotFoundError when absent."""
+
+    @abstractmethod
+    def set_current(self, task: str, version: int) -> VersionInfo:
+        """Make an existing version current (rollback / roll forward)."""
+
+    # --- reads ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def info(self, task: str, version: int | None = None) -> VersionInfo:
+        """The current (or given) version's record, without reading the patch."""
+
+    @abstractmethod
+    def get_bytes(self, task: str, version: int | None = None) -> tuple[VersionInfo, bytes]:
+        """The current (or given) version's record and its patch bytes, read consistently."""
+
+    @abstractmethod
+    def versions(self, task: str) -> list[VersionInfo]:
+        """Every stored version of a task, oldest first."""
+
+    @abstractmethod
+    def tasks(self) -> list[str]:
+        """Names of all registered tasks, sorted."""
+
+    @abstractmethod
+    def snapshot(self) -> dict[str, VersionInfo]:
+        """The current version of every task."""
+
+    @abstractmethod
+    def generation(self) -> int:
+        """A counter that moves on every change."""
+
+    @abstractmethod
+    def wait_for_change(self, since: int, timeout: float) -> int:
+        """Block until the generation differs from ``since`` or ``timeout`` passes; return the generation."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise RegistryUnavailableError when the backend cannot be reached."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    # --- shared behaviour ----------------------------------------------------------------------------------
+    def get(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
+        """The current (or given) version, parsed and checked against its recorded content hash."""
+        info, data = self.get_bytes(task, version)
+        patch = Patch.from_bytes(data, max_bytes=max(self.max_patch_bytes, len(data)))
+        if patch.patch_id != info.patch_id:
+            raise RegistryError(
+                f"stored patch {task!r} v{info.version} does not match its recorded id {info.patch_id} "
+                f"(read {patch.patch_id}): the registry is damaged; re-register the patch"
+            )
+        return info, patch
+
+    def current_version(self, task: str) -> int:
+        return self.info(task).version
+
+    def watch(self, stop: threading.Event, timeout: float = 1.0) -> Iterator[list[Change]]:
+        """Yield batches of changes made after this call, until ``stop`` is set.
+
+        The starting snapshot is taken here, not at the first ``next()``, so nothing between the call and the
+        iteration is missed. Backend errors propagate to the caller.
+        """
+        return self._changes_since(self.generation(), self.snapshot(), stop, timeout)
+
+    def _changes_since(
+        self, gen: int, last: dict[str, VersionInfo], stop: threading.Event, timeout: float
+    ) -> Iterator[list[Change]]:
+        while not stop.is_set():
+            new_gen = self.wait_for_change(gen, timeout)
+            if new_gen == gen:
+                continue
+            gen = new_gen  # read before the snapshot: a change during it moves the generation again
+            snap = self.snapshot()
+            changes = diff_snapshots(last, snap)
+            last = snap
+            if changes:
+                yield changes

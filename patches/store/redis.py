@@ -1,0 +1,196 @@
+"""Redis registry, for several server replicas and trainer workers sharing one set of patches.
+
+A version's blob, its record and the task's pointer are written in one MULTI/EXEC transaction guarded by WATCH
+on the task's hash, so concurrent puts get distinct, ordered versions and a reader never sees a pointer to a blob
+that is not there. Changes are announced on a pub/sub channel and counted in a generation key.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import redis
+
+from patches.errors import RegistryUnavailableError, TaskNotFoundError, VersionNotFoundError
+from patches.format import Patch, validate_task_name
+from patches.store.base import Registry, VersionInfo, utc_now
+from patches.store.redis_keys import DEFAULT_PREFIX, RedisKeys
+
+T = TypeVar("T")
+
+
+def parse_redis_url(url: str) -> tuple[str, str]:
+    """Split ``redis://host:port/db?prefix=p:`` into (connection URL, key prefix)."""
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    prefix = query.pop("prefix", [DEFAULT_PREFIX])[0]
+    rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
+
+
+class RedisRegistry(Registry):
+    """Registry in Redis (``redis://host:port/db``; add ``?prefix=name:`` to change the key prefix)."""
+
+    def __init__(self, url: str, *, prefix: str | None = None, client: redis.Redis | None = None) -> None:
+        conn_url, url_prefix = parse_redis_url(url)
+        self.url = url
+        self.keys = RedisKeys(prefix if prefix is not None else url_prefix)
+        self.r = client or redis.Redis.from_url(conn_url, socket_connect_timeout=5, health_check_interval=30)
+        self._pubsub: Any = None
+        self._pubsub_lock = threading.Lock()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RegistryUnavailableError(f"Redis registry at {self.url} is unreachable: {exc}") from exc
+
+    def _transaction(self, fn: Callable[[Any], T], *watched: str) -> T:
+        """Run ``fn(pipe)`` under WATCH on ``watched``, retrying on a conflicting write; return its value."""
+        run: Any = self.r.transaction
+        return self._call(lambda: cast(T, run(fn, *watched, value_from_callable=True)))
+
+    # --- writes --------------------------------------------------------------------------------------------
+    def put(self, patch: Patch) -> VersionInfo:
+        task = validate_task_name(patch.meta.task)
+        data, k = patch.data, self.keys
+
+        def tx(pipe: Any) -> VersionInfo:
+            version = int(pipe.hget(k.task(task), "last") or 0) + 1
+            info = VersionInfo(task, version, patch.patch_id, len(data), utc_now())
+            pipe.multi()
+            pipe.set(k.blob(task, version), data)
+            pipe.hset(k.versions(task), str(version), json.dumps(info.to_dict()))
+            pipe.hset(k.task(task), mapping={"current": version, "last": version})
+            pipe.sadd(k.tasks, task)
+            pipe.incr(k.generation)
+            pipe.publish(k.changes, task)
+            return info
+
+        return self._transaction(tx, k.task(task))
+
+    def delete(self, task: str) -> None:
+        k = self.keys
+        validate_task_name(task)
+
+        def tx(pipe: Any) -> None:
+            if not pipe.exists(k.task(task)):
+                raise TaskNotFoundError(task)
+            versions = pipe.hkeys(k.versions(task))
+            pipe.multi()
+            pipe.delete(k.task(task), k.versions(task), *[k.blob(task, int(v)) for v in versions])
+            pipe.srem(k.tasks, task)
+            pipe.incr(k.generation)
+            pipe.publish(k.changes, task)
+
+        self._transaction(tx, k.task(task), k.versions(task))
+
+    def set_current(self, task: str, version: int) -> VersionInfo:
+        k = self.keys
+        validate_task_name(task)
+
+        def tx(pipe: Any) -> VersionInfo:
+            raw = pipe.hget(k.versions(task), str(version))
+            if raw is None:
+                if not pipe.exists(k.task(task)):
+                    raise TaskNotFoundError(task)
+                raise VersionNotFoundError(task, version, sorted(int(v) for v in pipe.hkeys(k.versions(task))))
+            pipe.multi()
+            pipe.hset(k.task(task), "current", version)
+            pipe.incr(k.generation)
+            pipe.publish(k.changes, task)
+            return VersionInfo.from_dict(json.loads(raw))
+
+        return self._transaction(tx, k.task(task), k.versions(task))
+
+    # --- reads ---------------------------------------------------------------------------------------------
+    def _current(self, task: str) -> int:
+        raw = self._call(lambda: self.r.hget(self.keys.task(validate_task_name(task)), "current"))
+        if raw is None:
+            raise TaskNotFoundError(task)
+        return int(raw)
+
+    def info(self, task: str, version: int | None = None) -> VersionInfo:
+        v = self._current(task) if version is None else version
+        raw = self._call(lambda: self.r.hget(self.keys.versions(task), str(v)))
+        if raw is None:
+            if version is not None:
+                self._current(task)  # TaskNotFound when the whole task is gone
+            raise VersionNotFoundError(task, v, [i.version for i in self.versions(task)])
+        return VersionInfo.from_dict(json.loads(raw))
+
+    def get_bytes(self, task: str, version: int | None = None) -> tuple[VersionInfo, bytes]:
+        # Versions are immutable: once the pointer names v, v's record and blob never change, so three plain
+        # reads are consistent; a delete in between shows as a missing key, reported as "not found".
+        k = self.keys
+        v = self._current(task) if version is None else version
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(k.versions(task), str(v))
+        pipe.get(k.blob(task, v))
+        raw, data = self._call(pipe.execute)
+        if raw is None or data is None:
+            if version is not None:
+                self._current(task)
+                raise VersionNotFoundError(task, v, [i.version for i in self.versions(task)])
+            raise TaskNotFoundError(task)
+        return VersionInfo.from_dict(json.loads(raw)), bytes(data)
+
+    def versions(self, task: str) -> list[VersionInfo]:
+        raw = self._call(lambda: self.r.hgetall(self.keys.versions(validate_task_name(task))))
+        if not raw:
+            raise TaskNotFoundError(task)
+        infos = [VersionInfo.from_dict(json.loads(v)) for v in raw.values()]
+        return sorted(infos, key=lambda i: i.version)
+
+    def tasks(self) -> list[str]:
+        members: Any = self._call(lambda: self.r.smembers(self.keys.tasks))
+        return sorted(n.decode() for n in members)
+
+    def snapshot(self) -> dict[str, VersionInfo]:
+        names = self.tasks()
+        if not names:
+            return {}
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hget(k.task(n), "current")
+        currents = self._call(pipe.execute)
+        pipe = self.r.pipeline(transaction=False)
+        live = [(n, int(c)) for n, c in zip(names, currents, strict=True) if c is not None]
+        for n, c in live:
+            pipe.hget(k.versions(n), str(c))
+        records = self._call(pipe.execute)
+        return {n: VersionInfo.from_dict(json.loads(r)) for (n, _), r in zip(live, records, strict=True) if r}
+
+    def generation(self) -> int:
+        return int(self._call(lambda: self.r.get(self.keys.generation)) or 0)
+
+    def wait_for_change(self, since: int, timeout: float) -> int:
+        with self._pubsub_lock:
+            if self._pubsub is None:
+                ps = self.r.pubsub(ignore_subscribe_messages=True)
+                self._call(lambda: ps.subscribe(self.keys.changes))
+                self._pubsub = ps
+            # Subscribed before reading the generation: a change after this read is either seen in the counter
+            # now or arrives as a message below.
+            gen = self.generation()
+            if gen != since:
+                return gen
+            self._call(lambda: self._pubsub.get_message(timeout=timeout))
+            while self._call(lambda: self._pubsub.get_message(timeout=0)) is not None:
+                pass
+        return self.generation()
+
+    def ping(self) -> None:
+        self._call(self.r.ping)
+
+    def close(self) -> None:
+        with self._pubsub_lock:
+            if self._pubsub is not None:
+                self._pubsub.close()
+                self._pubsub = None
+        self.r.close()

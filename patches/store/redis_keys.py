@@ -1,0 +1,43 @@
+"""Every Redis key and channel name patchserve uses. No other module spells a key.
+
+All names start with a configurable prefix (default ``patchserve:``) so several deployments can share one Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "patchserve:"
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    prefix: str = DEFAULT_PREFIX
+
+    # --- registry ------------------------------------------------------------------------------------------
+    @property
+    def tasks(self) -> str:
+        """Set of registered task names."""
+        return f"{self.prefix}tasks"
+
+    def task(self, name: str) -> str:
+        """Hash {current, last}: the current version and the last version number handed out."""
+        return f"{self.prefix}task:{name}"
+
+    def versions(self, name: str) -> str:
+        """Hash version -> VersionInfo JSON."""
+        return f"{self.prefix}task:{name}:versions"
+
+    def blob(self, name: str, version: int) -> str:
+        """Patch bytes of one version."""
+        return f"{self.prefix}task:{name}:blob:{version}"
+
+    @property
+    def generation(self) -> str:
+        """Counter bumped by every registry change."""
+        return f"{self.prefix}generation"
+
+    @property
+    def changes(self) -> str:
+        """Pub/sub channel announcing registry changes (payload: task name)."""
+        return f"{self.prefix}changes"

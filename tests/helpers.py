@@ -1,0 +1,129 @@
+"""Builders for tests: tiny seeded encoders and patches with known, distinct values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertModel, BertTokenizerFast
+
+from patches.bitfit import base_biases, target_names
+from patches.encoder import Encoder
+from patches.format import BaseRef, Patch, PatchMeta
+
+WORDS = [
+    "the",
+    "a",
+    "an",
+    "is",
+    "was",
+    "good",
+    "bad",
+    "great",
+    "awful",
+    "movie",
+    "film",
+    "plot",
+    "actor",
+    "fun",
+    "boring",
+    "love",
+    "hate",
+    "what",
+    "who",
+    "where",
+    "when",
+    "why",
+    "how",
+    "city",
+    "name",
+    "person",
+    "number",
+    "big",
+    "small",
+    "red",
+    "blue",
+    "cat",
+    "dog",
+    "runs",
+    "quickly",
+    "slowly",
+    "and",
+    "or",
+    "not",
+    "very",
+    "really",
+]
+
+
+def tiny_bert_config(**overrides: object) -> BertConfig:
+    cfg = {
+        "vocab_size": 5 + 26 + len(WORDS),
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "type_vocab_size": 2,
+        "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1,
+    }
+    cfg.update(overrides)
+    return BertConfig(**cfg)
+
+
+def make_tiny_bert_folder(folder: Path, seed: int = 0) -> Path:
+    """A random BERT (2 layers, hidden 32) with a real WordPiece tokenizer, saved as an HF folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz", *WORDS]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(seed)
+    model = BertModel(tiny_bert_config())
+    with torch.no_grad():  # make biases non-zero so that dropping/folding them is really exercised
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_patch(
+    encoder: Encoder,
+    task: str = "sentiment",
+    *,
+    kind: str = "classification",
+    labels: list[str] | None = None,
+    subset: str = "all",
+    pooling: str = "mean",
+    seed: int = 1,
+    scale: float = 0.5,
+) -> Patch:
+    """A patch whose biases are the base values moved by seeded noise, with a seeded random head."""
+    gen = torch.Generator().manual_seed(seed)
+    if labels is None:
+        labels = {
+            "classification": ["negative", "positive"],
+            "regression": [],
+            "token-classification": ["DET", "NOUN", "VERB"],
+        }[kind]
+    names = target_names(encoder.model, subset)
+    biases = {n: b + scale * torch.randn(b.shape, generator=gen) for n, b in base_biases(encoder.model, names).items()}
+    n_out = 1 if kind == "regression" else len(labels)
+    meta = PatchMeta(
+        task=task,
+        kind=kind,
+        labels=labels,
+        base=BaseRef(encoder.name, encoder.fingerprint),
+        bias_subset=subset,
+        pooling=pooling,
+        max_seq_length=32,
+        metrics={"dev_accuracy": 0.5},
+    )
+    return Patch(
+        meta=meta,
+        biases=biases,
+        head_weight=torch.randn(n_out, encoder.hidden_size, generator=gen),
+        head_bias=torch.randn(n_out, generator=gen),
+    )

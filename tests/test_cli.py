@@ -1,0 +1,54 @@
+"""The ``patchserve`` command line: inspect, tasks, register."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+from patches.cli import main
+from tests.helpers import make_patch
+
+
+def test_inspect_prints_metadata(tmp_path, tiny_encoder, capsys):
+    patch = make_patch(tiny_encoder, task="trec", kind="classification", labels=["DESC", "HUM", "LOC"])
+    f = tmp_path / "trec.safetensors"
+    f.write_bytes(patch.data)
+    assert main(["inspect", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "trec" in out and patch.patch_id in out and '["DESC", "HUM", "LOC"]' in out
+    assert main(["inspect", "--json", str(f)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["task"] == "trec" and info["n_params"] == patch.n_params and info["labels"] == ["DESC", "HUM", "LOC"]
+    assert info["base"]["fingerprint"] == tiny_encoder.fingerprint
+
+
+def test_inspect_refuses_invalid_files_with_the_reason(tmp_path, tiny_encoder, capsys):
+    f = tmp_path / "cut.safetensors"
+    f.write_bytes(make_patch(tiny_encoder).data[:-10])
+    assert main(["inspect", str(f)]) == 1
+    assert "truncated" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_register_and_list_tasks(tmp_path, tiny_encoder, capsys):
+    f = tmp_path / "p.safetensors"
+    f.write_bytes(make_patch(tiny_encoder).data)
+    reg = f"disk://{tmp_path}/reg"
+    assert main(["register", str(f), "--registry", reg]) == 0
+    assert "registered sentiment v1" in capsys.readouterr().out
+    assert main(["tasks", "--registry", reg, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sentiment"]["version"] == 1
+
+
+def test_console_script_is_installed(tmp_path, tiny_encoder):
+    exe = shutil.which("patchserve")
+    assert exe, "the patchserve console script is not on PATH: pip install -e ."
+    f = tmp_path / "p.safetensors"
+    f.write_bytes(make_patch(tiny_encoder).data)
+    done = subprocess.run([exe, "inspect", "--json", str(f)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["task"] == "sentiment"
+    done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert "inspect" in done.stdout and "tasks" in done.stdout

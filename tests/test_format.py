@@ -1,0 +1,200 @@
+"""The patch file format: lossless round trip and strict refusal of every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from patches.errors import (
+    FingerprintMismatchError,
+    PatchCorruptError,
+    PatchKeysError,
+    PatchMetadataError,
+    PatchShapeError,
+    PatchTooLargeError,
+    PatchValueError,
+    PatchVersionError,
+)
+from patches.format import METADATA_KEY, BaseSpec, Patch, validate_task_name
+from tests.helpers import make_patch
+
+
+def _tensors(patch: Patch) -> dict[str, torch.Tensor]:
+    out = {"bias." + k: v for k, v in patch.biases.items()}
+    out["head.weight"], out["head.bias"] = patch.head_weight, patch.head_bias
+    return out
+
+
+def _raw(patch: Patch, tensors: dict[str, torch.Tensor] | None = None, meta: dict | None = None) -> bytes:
+    """Bytes written around the Patch class, so the reader's own checks are what refuses them."""
+    m = json.loads(patch.meta.to_json()) if meta is None else meta
+    return st_save(tensors if tensors is not None else _tensors(patch), metadata={METADATA_KEY: json.dumps(m)})
+
+
+def test_round_trip_is_lossless_and_deterministic(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    loaded = Patch.from_bytes(patch.data)
+    assert loaded.meta == patch.meta
+    assert loaded.biases.keys() == patch.biases.keys()
+    for name in patch.biases:
+        assert torch.equal(loaded.biases[name], patch.biases[name])
+    assert torch.equal(loaded.head_weight, patch.head_weight)
+    assert torch.equal(loaded.head_bias, patch.head_bias)
+    assert loaded.data == patch.data
+    assert loaded.patch_id == patch.patch_id and patch.patch_id.startswith("sha256:")
+
+
+def test_patch_id_is_a_content_hash(tiny_encoder):
+    a, b = make_patch(tiny_encoder, seed=1), make_patch(tiny_encoder, seed=2)
+    assert a.patch_id != b.patch_id
+    # Same content written by another writer (metadata JSON laid out differently) has the same id.
+    pretty = json.dumps(json.loads(a.meta.to_json()), indent=2)
+    rewritten = st_save(_tensors(a), metadata={METADATA_KEY: pretty})
+    assert rewritten != a.data
+    assert Patch.from_bytes(rewritten).patch_id == a.patch_id
+
+
+@pytest.mark.parametrize("kind", ["classification", "regression", "token-classification"])
+def test_every_kind_round_trips(tiny_encoder, kind):
+    patch = make_patch(tiny_encoder, kind=kind)
+    assert Patch.from_bytes(patch.data).meta.kind == kind
+    assert patch.head_weight.shape[0] == patch.meta.n_outputs
+
+
+def test_oversized_file_refused(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    with pytest.raises(PatchTooLargeError, match="limit"):
+        Patch.from_bytes(patch.data, max_bytes=len(patch.data) - 1)
+
+
+@pytest.mark.parametrize("cut", [0, 4, 8, 20, -1, -100])
+def test_truncated_bytes_refused(tiny_encoder, cut):
+    data = make_patch(tiny_encoder).data
+    with pytest.raises(PatchCorruptError):
+        Patch.from_bytes(data[:cut])
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"garbage!" * 10, struct.pack("<Q", 5) + b"{{{{{", struct.pack("<Q", 2) + b"[]", b"\xff" * 64],
+    ids=["empty", "text", "bad-json", "json-array", "binary"],
+)
+def test_garbage_refused(data):
+    with pytest.raises(PatchCorruptError):
+        Patch.from_bytes(data)
+
+
+def test_plain_safetensors_without_metadata_refused():
+    data = st_save({"bias.x": torch.zeros(3)})
+    with pytest.raises(PatchMetadataError, match="not a patchserve patch"):
+        Patch.from_bytes(data)
+
+
+def test_unsupported_format_version_refused(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    meta = json.loads(patch.meta.to_json()) | {"format_version": 99}
+    with pytest.raises(PatchVersionError, match="99"):
+        Patch.from_bytes(_raw(patch, meta=meta))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"surprise": 1}, "unknown fields"),
+        ({"kind": "clustering"}, "kind"),
+        ({"labels": ["a", "a"]}, "unique"),
+        ({"labels": ["only"]}, "at least 2"),
+        ({"pooling": "max"}, "pooling"),
+        ({"max_seq_length": 0}, "max_seq_length"),
+        ({"task": "../etc"}, "invalid task name"),
+        ({"base": {"name": "x"}}, "base"),
+        ({"metrics": {"acc": "high"}}, "metrics"),
+    ],
+)
+def test_bad_metadata_refused(tiny_encoder, change, match):
+    patch = make_patch(tiny_encoder)
+    meta = json.loads(patch.meta.to_json()) | change
+    with pytest.raises(PatchMetadataError, match=match):
+        Patch.from_bytes(_raw(patch, meta=meta))
+
+
+def test_missing_metadata_field_refused(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    meta = json.loads(patch.meta.to_json())
+    del meta["labels"]
+    with pytest.raises(PatchMetadataError, match="lacks fields"):
+        Patch.from_bytes(_raw(patch, meta=meta))
+
+
+def test_unknown_and_missing_keys_refused(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    with pytest.raises(PatchKeysError, match="unknown tensor keys"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"adapter.up": torch.zeros(2)}))
+    tensors = _tensors(patch)
+    del tensors["head.bias"]
+    with pytest.raises(PatchKeysError, match=r"head\.bias"):
+        Patch.from_bytes(_raw(patch, tensors=tensors))
+    only_head = {"head.weight": patch.head_weight, "head.bias": patch.head_bias}
+    with pytest.raises(PatchKeysError, match="no bias tensors"):
+        Patch.from_bytes(_raw(patch, tensors=only_head))
+
+
+def test_wrong_shape_and_dtype_refused(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    name = next(iter(patch.biases))
+    with pytest.raises(PatchShapeError, match="float32"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"bias." + name: patch.biases[name].half()}))
+    with pytest.raises(PatchShapeError, match="1-D"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"bias." + name: torch.zeros(2, 2)}))
+    with pytest.raises(PatchShapeError, match=r"head\.weight"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"head.weight": torch.zeros(3, 32)}))
+    with pytest.raises(PatchShapeError, match=r"head\.bias"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"head.bias": torch.zeros(5)}))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_refused(tiny_encoder, bad):
+    patch = make_patch(tiny_encoder)
+    name = next(iter(patch.biases))
+    poisoned = patch.biases[name].clone()
+    poisoned[3] = bad
+    with pytest.raises(PatchValueError, match="NaN or Inf"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"bias." + name: poisoned}))
+
+
+def test_compatibility_with_the_encoder(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+    patch.check_compatible(tiny_encoder.spec)  # fits
+    other = replace(tiny_encoder.spec, name="other-base", fingerprint="sha256:" + "0" * 64)
+    with pytest.raises(FingerprintMismatchError) as exc:
+        patch.check_compatible(other)
+    assert tiny_encoder.fingerprint in str(exc.value) and "sha256:000" in str(exc.value)
+    assert "retrain" in str(exc.value)
+    shapes = dict(tiny_encoder.spec.bias_shapes)
+    first = next(iter(patch.biases))
+    del shapes[first]
+    with pytest.raises(PatchKeysError, match="does not have"):
+        patch.check_compatible(replace(tiny_encoder.spec, bias_shapes=shapes))
+    shapes = dict(tiny_encoder.spec.bias_shapes) | {first: (7,)}
+    with pytest.raises(PatchShapeError, match="encoder's has"):
+        patch.check_compatible(replace(tiny_encoder.spec, bias_shapes=shapes))
+    with pytest.raises(PatchShapeError, match="hidden size"):
+        patch.check_compatible(BaseSpec(tiny_encoder.name, tiny_encoder.fingerprint, 64, tiny_encoder.spec.bias_shapes))
+
+
+@pytest.mark.parametrize("name", ["sentiment", "a", "Task_1.v2-x", "9lives"])
+def test_valid_task_names(name):
+    assert validate_task_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "../x", "a/b", "..", ".hidden", "-dash", "a..b", "x" * 65, "sp ace", "é"])
+def test_invalid_task_names(name):
+    from patches.errors import InvalidTaskNameError
+
+    with pytest.raises(InvalidTaskNameError):
+        validate_task_name(name)

@@ -1,0 +1,251 @@
+"""One suite for both registry backends (disk and a real redis-server)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from patches.errors import (
+    InvalidTaskNameError,
+    RegistryError,
+    RegistryUnavailableError,
+    TaskNotFoundError,
+    VersionNotFoundError,
+)
+from patches.store import Change, DiskRegistry, open_registry
+from patches.store.redis import RedisRegistry, parse_redis_url
+from tests.helpers import make_patch
+
+
+@pytest.fixture(scope="module")
+def patches_abc(tiny_encoder):
+    return [make_patch(tiny_encoder, seed=s) for s in (1, 2, 3)]
+
+
+def _state(reg):
+    """Everything observable about a registry, for 'unchanged' assertions."""
+    return reg.generation(), reg.snapshot(), {t: reg.versions(t) for t in reg.tasks()}
+
+
+def test_put_get_versions_round_trip(registry, patches_abc):
+    a, b, _ = patches_abc
+    v1 = registry.put(a)
+    assert (v1.task, v1.version, v1.patch_id, v1.size) == ("sentiment", 1, a.patch_id, len(a.data))
+    info, got = registry.get("sentiment")
+    assert info == v1 and got.data == a.data
+    v2 = registry.put(b)
+    assert v2.version == 2 and registry.info("sentiment") == v2
+    assert registry.get("sentiment")[1].patch_id == b.patch_id
+    assert registry.get("sentiment", 1)[1].patch_id == a.patch_id
+    assert [v.version for v in registry.versions("sentiment")] == [1, 2]
+    assert registry.tasks() == ["sentiment"]
+    assert registry.snapshot() == {"sentiment": v2}
+
+
+def test_rollback_and_roll_forward(registry, patches_abc):
+    a, b, _ = patches_abc
+    registry.put(a)
+    registry.put(b)
+    back = registry.set_current("sentiment", 1)
+    assert back.patch_id == a.patch_id and registry.info("sentiment").version == 1
+    assert registry.get("sentiment")[1].patch_id == a.patch_id
+    registry.set_current("sentiment", 2)
+    assert registry.get("sentiment")[1].patch_id == b.patch_id
+    # the next put continues numbering after the highest version, whatever is current
+    registry.set_current("sentiment", 1)
+    assert registry.put(a).version == 3
+
+
+def test_delete(registry, patches_abc, tiny_encoder):
+    registry.put(patches_abc[0])
+    registry.put(make_patch(tiny_encoder, task="other"))
+    registry.delete("sentiment")
+    assert registry.tasks() == ["other"]
+    for call in (
+        lambda: registry.get("sentiment"),
+        lambda: registry.info("sentiment"),
+        lambda: registry.versions("sentiment"),
+        lambda: registry.delete("sentiment"),
+        lambda: registry.set_current("sentiment", 1),
+    ):
+        with pytest.raises(TaskNotFoundError, match="not registered"):
+            call()
+    assert registry.put(patches_abc[1]).version == 1  # a re-created task starts afresh
+
+
+def test_bad_requests_leave_the_registry_unchanged(registry, patches_abc):
+    registry.put(patches_abc[0])
+    before = _state(registry)
+    with pytest.raises(VersionNotFoundError, match=r"versions are \[1\]"):
+        registry.set_current("sentiment", 7)
+    with pytest.raises(VersionNotFoundError):
+        registry.get("sentiment", 3)
+    with pytest.raises(TaskNotFoundError):
+        registry.get("nope", 1)
+    with pytest.raises(TaskNotFoundError):
+        registry.delete("nope")
+    for bad in ("../../etc/passwd", "a/b", "", "x" * 100):
+        for call in (registry.get, registry.info, registry.versions, registry.delete):
+            with pytest.raises(InvalidTaskNameError):
+                call(bad)
+    assert _state(registry) == before
+
+
+def test_concurrent_puts_get_distinct_versions(registry, tiny_encoder):
+    patches = [make_patch(tiny_encoder, seed=10 + i) for i in range(12)]
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def worker(chunk):
+        for p in chunk:
+            v = registry.put(p).version
+            with lock:
+                got.append(v)
+
+    threads = [threading.Thread(target=worker, args=(patches[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(1, 13))
+    assert registry.info("sentiment").version == 12
+    stored = {v.patch_id for v in registry.versions("sentiment")}
+    assert stored == {p.patch_id for p in patches}
+
+
+def test_reader_during_writes_sees_old_or_new_never_a_mix(registry, patches_abc):
+    a, b, _ = patches_abc
+    registry.put(a)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: set[str] = set()
+
+    def read():
+        while not stop.is_set():
+            try:
+                info, patch = registry.get("sentiment")  # get() checks the bytes against the recorded id
+                assert patch.patch_id == info.patch_id
+                seen.add(patch.patch_id)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for i in range(40):
+        registry.put(b if i % 2 == 0 else a)
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors[0]
+    assert seen <= {a.patch_id, b.patch_id} and seen
+
+
+def test_watch_reports_put_rollback_and_delete(registry, patches_abc):
+    a, b, _ = patches_abc
+    registry.put(a)
+    stop = threading.Event()
+    batches: list[list[Change]] = []
+    ready = threading.Event()
+
+    def watch():
+        it = registry.watch(stop, timeout=0.05)
+        ready.set()
+        for changes in it:
+            batches.append(changes)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    ready.wait()
+
+    def wait_for(pred):
+        for _ in range(400):
+            flat = [c for batch in batches for c in batch]
+            if pred(flat):
+                return flat
+            stop.wait(0.01)
+        raise AssertionError(f"no such change seen: {batches}")
+
+    v2 = registry.put(b)
+    wait_for(lambda flat: Change("sentiment", v2) in flat)
+    v1 = registry.set_current("sentiment", 1)
+    wait_for(lambda flat: Change("sentiment", v1) in flat)
+    registry.delete("sentiment")
+    wait_for(lambda flat: Change("sentiment", None) in flat)
+    stop.set()
+    t.join(timeout=5)
+    assert not t.is_alive()
+
+
+def test_generation_moves_on_every_change(registry, patches_abc):
+    g0 = registry.generation()
+    registry.put(patches_abc[0])
+    g1 = registry.generation()
+    registry.set_current("sentiment", 1)
+    g2 = registry.generation()
+    registry.delete("sentiment")
+    assert len({g0, g1, g2, registry.generation()}) == 4
+    assert registry.wait_for_change(g0, timeout=0.01) != g0
+
+
+def test_disk_crash_mid_write_keeps_previous_version(tmp_path, patches_abc, monkeypatch):
+    reg = DiskRegistry(tmp_path / "reg")
+    a, b, c = patches_abc
+    reg.put(a)
+    import patches.store.disk as disk
+
+    real = disk.atomic_write
+
+    def crash_on_manifest(path, data):
+        if path.name == "manifest.json":
+            raise OSError("disk full")
+        real(path, data)
+
+    monkeypatch.setattr(disk, "atomic_write", crash_on_manifest)
+    with pytest.raises(OSError):
+        reg.put(b)  # the patch file was written, the manifest never named it
+    monkeypatch.setattr(disk, "atomic_write", real)
+    assert reg.get("sentiment")[1].patch_id == a.patch_id
+    assert [v.version for v in reg.versions("sentiment")] == [1]
+    assert not list((tmp_path / "reg" / "tasks" / "sentiment").glob(".*.tmp"))
+    v = reg.put(c)  # the orphan v2 file is overwritten, not served
+    assert v.version == 2 and reg.get("sentiment")[1].patch_id == c.patch_id
+
+
+def test_disk_detects_a_damaged_patch_file(tmp_path, patches_abc):
+    reg = DiskRegistry(tmp_path / "reg")
+    reg.put(patches_abc[0])
+    f = tmp_path / "reg" / "tasks" / "sentiment" / "v00000001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(RegistryError, match="damaged"):
+        reg.get("sentiment")
+
+
+def test_redis_prefixes_isolate_deployments(redis_url, patches_abc):
+    one = RedisRegistry(redis_url, prefix="iso-one:")
+    two = RedisRegistry(redis_url + "?prefix=iso-two:")
+    one.put(patches_abc[0])
+    assert two.tasks() == [] and one.tasks() == ["sentiment"]
+    one.delete("sentiment")
+
+
+def test_redis_unreachable_is_a_clear_error():
+    reg = RedisRegistry("redis://127.0.0.1:1/0")
+    with pytest.raises(RegistryUnavailableError, match="unreachable"):
+        reg.ping()
+    with pytest.raises(RegistryUnavailableError):
+        reg.tasks()
+
+
+def test_open_registry_urls(tmp_path, redis_url):
+    assert isinstance(open_registry(f"disk://{tmp_path}/a"), DiskRegistry)
+    assert isinstance(open_registry(str(tmp_path / "b")), DiskRegistry)
+    reg = open_registry(redis_url + "?prefix=x:")
+    assert isinstance(reg, RedisRegistry) and reg.keys.prefix == "x:"
+    with pytest.raises(RegistryError, match="unknown registry URL scheme"):
+        open_registry("s3://bucket/x")
+    assert parse_redis_url("redis://h:1/2?prefix=p:") == ("redis://h:1/2", "p:")

@@ -1,0 +1,1 @@
+"""Training BitFit patches: data readers, train_patch, the queue worker."""
