@@ -1,0 +1,114 @@
+"""The server's view of the registry: which version of each task is current, and the parsed patches.
+
+A request resolves its task to a (version, patch) when it arrives and keeps that patch until it is answered, so
+a new version, a rollback or a delete applies to requests that arrive after it -- in-flight ones finish on what
+they started with, and none fails. A watcher thread follows the registry's changes (from this replica or any
+other sharing the registry); a task this replica has not heard of yet is looked up directly, so a version
+registered elsewhere is served at once on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from patches.errors import PatchServeError
+from patches.format import BaseSpec, Patch
+from patches.store import Change, Registry, VersionInfo, diff_snapshots
+from server.engine.slots import PatchCache
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    def __init__(
+        self,
+        registry: Registry,
+        spec: BaseSpec,
+        cache: PatchCache,
+        *,
+        watch_timeout: float = 1.0,
+        on_fetch: Callable[[float], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.spec = spec
+        self.cache = cache
+        self.watch_timeout = watch_timeout
+        self.current: dict[str, VersionInfo] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.on_fetch = on_fetch  # seconds to fetch + parse a patch from the registry
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.current = self.registry.snapshot()
+        self._thread = threading.Thread(target=self._watch, name="patchserve-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.watch_timeout + 5)
+
+    def _apply(self, changes: list[Change]) -> None:
+        for change in changes:
+            if change.current is None:
+                self.current.pop(change.task, None)
+            else:
+                self.current[change.task] = change.current
+            log.info(
+                "registry change: %s -> %s",
+                change.task,
+                "deleted" if change.current is None else f"v{change.current.version}",
+            )
+
+    def _watch(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                changes = self.registry.watch(self._stop, timeout=self.watch_timeout)
+                # resync after (re)connecting: anything missed while disconnected is applied now
+                self._apply(diff_snapshots(dict(self.current), self.registry.snapshot()))
+                backoff = 0.5
+                for batch in changes:
+                    self._apply(batch)
+            except PatchServeError as exc:
+                log.warning("registry watch failed (%s); retrying in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    # --- reads ---------------------------------------------------------------------------------------------
+    def resolve(self, task: str) -> tuple[VersionInfo, Patch]:
+        """The current version of ``task`` and its patch (blocking: call from a worker thread)."""
+        info = self.current.get(task)
+        if info is None:
+            info = self.registry.info(task)  # TaskNotFoundError -> 404
+            self.current.setdefault(task, info)
+        patch = self.cache.get(info.patch_id)
+        if patch is None:
+            t0 = time.perf_counter()
+            _, patch = self.registry.get(task, info.version)
+            patch.check_compatible(self.spec)
+            self.cache.put(patch)
+            if self.on_fetch is not None:
+                self.on_fetch(time.perf_counter() - t0)
+        return info, patch
+
+    # --- writes (this replica sees its own writes at once) ------------------------------------------------------
+    def register(self, patch: Patch) -> VersionInfo:
+        patch.check_compatible(self.spec)
+        info = self.registry.put(patch)
+        self.cache.put(patch)
+        self.current[info.task] = info
+        return info
+
+    def delete(self, task: str) -> None:
+        self.registry.delete(task)
+        self.current.pop(task, None)
+
+    def rollback(self, task: str, version: int) -> VersionInfo:
+        info = self.registry.set_current(task, version)
+        self.current[task] = info
+        return info

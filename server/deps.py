@@ -1,0 +1,90 @@
+"""FastAPI dependencies: the running service and the bearer-token checks, as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+
+from patches.encoder import Encoder
+from patches.store import Registry
+from server.catalog import Catalog
+from server.engine.batcher import Batcher
+from server.engine.runner import Runner
+from server.metrics import Metrics
+from server.settings import ServerSettings
+
+
+@dataclass
+class Service:
+    """Everything the routes use, built once by the lifespan handler."""
+
+    settings: ServerSettings
+    encoder: Encoder
+    registry: Registry
+    runner: Runner
+    batcher: Batcher
+    catalog: Catalog
+    metrics: Metrics
+
+
+def get_service(request: Request) -> Service:
+    svc: Service | None = getattr(request.app.state, "service", None)
+    if svc is None:
+        raise HTTPException(503, "the server is still starting (loading the encoder); retry shortly")
+    return svc
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(given: str, *tokens: object) -> bool:
+    ok = False
+    for t in tokens:
+        if t is not None:  # compare against every configured token: time does not reveal which matched
+            ok |= hmac.compare_digest(given.encode(), t.get_secret_value().encode())  # type: ignore[attr-defined]
+    return ok
+
+
+def _unauthorized(what: str) -> HTTPException:
+    return HTTPException(
+        401, f"this route needs 'Authorization: Bearer <{what}>'", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def require_admin(request: Request, svc: ServiceDep) -> None:
+    token = svc.settings.admin_token
+    if token is None:
+        return
+    given = _bearer(request)
+    if given is None:
+        raise _unauthorized("admin token")
+    if not _matches(given, token):
+        raise HTTPException(
+            403,
+            "the bearer token is not the admin token; registering, deleting and rolling back "
+            "need PATCHSERVE_ADMIN_TOKEN",
+        )
+
+
+def require_predict(request: Request, svc: ServiceDep) -> None:
+    token = svc.settings.predict_token
+    if token is None:
+        return
+    given = _bearer(request)
+    if given is None:
+        raise _unauthorized("predict token")
+    if not _matches(given, token, svc.settings.admin_token):
+        raise HTTPException(403, "the bearer token is neither the predict token nor the admin token")
+
+
+AdminAuth = Annotated[None, Depends(require_admin)]
+PredictAuth = Annotated[None, Depends(require_predict)]

@@ -1,0 +1,172 @@
+"""The batcher: one asyncio actor owns the queue and turns rows of any tasks into batches for the runner.
+
+Request lifecycle: ``submit(rows)`` -> queue -> the actor collects a batch (bounded by max rows, max padded
+tokens, max distinct patches and max wait; rows of similar length together, to cut padding) -> runs it on the runner's
+single worker thread (the event loop never blocks) -> resolves each row's future. Rows whose request was
+cancelled (client gone, timeout) are dropped before they reach the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.runner import Row, Runner
+
+log = logging.getLogger(__name__)
+
+
+class OverloadedError(RuntimeError):
+    """The queue is full; the client should retry later (HTTP 503 + Retry-After)."""
+
+
+@dataclass
+class _Item:
+    row: Row
+    future: asyncio.Future[torch.Tensor]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class BatchStats:
+    """What the batcher reports per batch (the server turns these into metrics)."""
+
+    rows: int
+    tasks: int
+    tokens: int
+    seconds: float
+
+
+class Batcher:
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        max_rows: int = 32,
+        max_tokens: int = 8192,
+        max_wait_ms: float = 5.0,
+        max_queue_rows: int = 1024,
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.max_rows = max_rows
+        self.max_tokens = max_tokens
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue_rows = max_queue_rows
+        self.max_patches = runner.slots.capacity
+        self.on_batch = on_batch
+        self._queue: deque[_Item] = deque()
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchserve-runner")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def queued_rows(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="patchserve-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(OverloadedError("server is shutting down"))
+        self._queue.clear()
+        self._executor.shutdown(wait=True)
+
+    def submit(self, rows: Sequence[Row]) -> list[asyncio.Future[torch.Tensor]]:
+        """Enqueue rows; returns one future per row. Raises OverloadedError when the queue is full."""
+        if len(self._queue) + len(rows) > self.max_queue_rows:
+            raise OverloadedError(f"{len(self._queue)} rows are queued (limit {self.max_queue_rows}); retry shortly")
+        loop = asyncio.get_running_loop()
+        items = [_Item(r, loop.create_future()) for r in rows]
+        self._queue.extend(items)
+        self._wakeup.set()
+        return [i.future for i in items]
+
+    # --- the actor ---------------------------------------------------------------------------------------------
+    def _fits(self, batch: list[_Item], patches: set[str], item: _Item) -> bool:
+        longest = max(len(item.row.input_ids), *(len(i.row.input_ids) for i in batch))
+        new_patch = item.row.patch.patch_id not in patches
+        return (
+            len(batch) < self.max_rows
+            and longest * (len(batch) + 1) <= self.max_tokens
+            and (not new_patch or len(patches) < self.max_patches)
+        )
+
+    def _select(self) -> list[_Item]:
+        """The oldest live row anchors the batch (nothing starves); the others are chosen from a window of the
+        oldest rows by closeness in length, which is what cuts padding."""
+        window = [i for i in itertools.islice(self._queue, 4 * self.max_rows) if not i.future.done()]
+        if not window:
+            self._queue = deque(i for i in self._queue if not i.future.done())
+            return []
+        anchor = window[0]
+        size = len(anchor.row.input_ids)
+        batch, patches = [anchor], {anchor.row.patch.patch_id}
+        for item in sorted(window[1:], key=lambda i: abs(len(i.row.input_ids) - size)):
+            if len(batch) >= self.max_rows:
+                break
+            if self._fits(batch, patches, item):
+                batch.append(item)
+                patches.add(item.row.patch.patch_id)
+        chosen = {id(i) for i in batch}
+        self._queue = deque(i for i in self._queue if id(i) not in chosen and not i.future.done())
+        return batch
+
+    async def _wait(self, timeout: float | None) -> None:
+        self._wakeup.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    async def _collect(self) -> list[_Item]:
+        """Wait for a row, then up to max_wait for a full batch; then select one."""
+        while True:
+            while not self._queue:
+                await self._wait(None)
+            deadline = time.perf_counter() + self.max_wait
+            while len(self._queue) < self.max_rows and (remaining := deadline - time.perf_counter()) > 0:
+                await self._wait(remaining)
+            batch = self._select()
+            if batch:
+                return batch
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            rows = [i.row for i in batch]
+            t0 = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.runner.run, rows)
+            except Exception as exc:  # a failed batch fails its requests, never the actor
+                log.exception("batch of %d rows failed", len(rows))
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                continue
+            for item, out in zip(batch, outputs, strict=True):
+                if not item.future.done():
+                    item.future.set_result(out)
+            if self.on_batch is not None:
+                self.on_batch(
+                    BatchStats(
+                        rows=len(rows),
+                        tasks=len({r.patch.patch_id for r in rows}),
+                        tokens=len(rows) * max(len(r.input_ids) for r in rows),
+                        seconds=time.perf_counter() - t0,
+                    )
+                )

@@ -1,0 +1,122 @@
+"""Which patch sits in which device slot, and a host-memory cache of parsed patches in front of the registry.
+
+Both are keyed by patch id (a content hash), so a re-registered task never serves stale weights: its new version
+has a new id and lands in a new slot, while in-flight batches finish on the old one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from patches.format import Patch
+
+
+class SlotsExhaustedError(RuntimeError):
+    """More distinct patches are needed at once than there are slots."""
+
+
+@dataclass
+class SlotStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class SlotManager:
+    """patch id -> slot with LRU eviction of idle slots; a pinned slot (used by an in-flight batch) never moves.
+
+    Not thread-safe by design: only the runner thread calls it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("slot capacity must be at least 1")
+        self.capacity = capacity
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
+        self._free = list(range(capacity - 1, -1, -1))
+        self._pins: Counter[str] = Counter()
+        self.stats = SlotStats()
+
+    def __contains__(self, patch_id: str) -> bool:
+        return patch_id in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def acquire(self, patch_ids: Sequence[str]) -> tuple[dict[str, int], list[tuple[str, int]]]:
+        """Pin a slot for each id. Returns (id -> slot, [(id, slot) that must be loaded now])."""
+        wanted = list(dict.fromkeys(patch_ids))
+        if len(wanted) > self.capacity:
+            raise SlotsExhaustedError(f"{len(wanted)} distinct patches in one batch, only {self.capacity} slots")
+        mapping: dict[str, int] = {}
+        to_load: list[tuple[str, int]] = []
+        for pid in wanted:  # pin the resident ones first so that loading the others cannot evict them
+            if pid in self._slot_of:
+                self._slot_of.move_to_end(pid)
+                self._pins[pid] += 1
+                mapping[pid] = self._slot_of[pid]
+                self.stats.hits += 1
+        for pid in wanted:
+            if pid in mapping:
+                continue
+            slot = self._take_slot()
+            self._slot_of[pid] = slot
+            self._pins[pid] += 1
+            mapping[pid] = slot
+            to_load.append((pid, slot))
+            self.stats.misses += 1
+        return mapping, to_load
+
+    def forget(self, patch_id: str) -> None:
+        """Drop a mapping whose slot could not be loaded (the slot becomes free)."""
+        slot = self._slot_of.pop(patch_id, None)
+        self._pins.pop(patch_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def release(self, patch_ids: Sequence[str]) -> None:
+        for pid in dict.fromkeys(patch_ids):
+            self._pins[pid] -= 1
+            if self._pins[pid] <= 0:
+                del self._pins[pid]
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        for pid in self._slot_of:  # least recently used first
+            if not self._pins.get(pid):
+                self.stats.evictions += 1
+                return self._slot_of.pop(pid)
+        raise SlotsExhaustedError(f"all {self.capacity} slots are in use by in-flight batches")
+
+
+class PatchCache:
+    """LRU of parsed patches by id, bounded in bytes; thread-safe (request handlers fill it from threads)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, Patch] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, patch_id: str) -> Patch | None:
+        with self._lock:
+            patch = self._items.get(patch_id)
+            if patch is not None:
+                self._items.move_to_end(patch_id)
+            return patch
+
+    def put(self, patch: Patch) -> None:
+        size = len(patch.data)
+        with self._lock:
+            if patch.patch_id in self._items:
+                self._items.move_to_end(patch.patch_id)
+                return
+            self._items[patch.patch_id] = patch
+            self._bytes += size
+            while self._bytes > self.max_bytes and len(self._items) > 1:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= len(old.data)

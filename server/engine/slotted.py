@@ -1,0 +1,157 @@
+"""Slotted layers: the frozen encoder's biased modules, rewritten so every row of a batch gets its own task's bias.
+
+Each biased ``nn.Linear`` / ``nn.LayerNorm`` becomes a module that computes the shared, bias-free op once for the
+whole batch and then adds ``bank[rows]`` -- a gather from a ``[slots, dim]`` table by the batch's per-row slot
+index. Nothing is copied per request and the batch shape never depends on the task mix.
+
+Two exact simplifications (ARCHITECTURE.md, "The one idea"), applied when the architecture's roles are known:
+
+* key bias b_k adds q.b_k to every score of a query row; softmax is shift-invariant, so it is dropped;
+* value bias b_v passes through attention unchanged (the weights of a row sum to 1), so it folds into the
+  attention-output bias: b_o' = b_o + W_o b_v, computed once when a patch is loaded into a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patches.bitfit import bias_roles
+from patches.errors import EncoderError
+
+
+class SlotIndex:
+    """The per-row slot index of the batch being run, shared by every slotted module. rows: [B] long."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+
+    def gather(self, bank: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """bank [S, D] -> [B, 1, ..., 1, D], broadcastable against ``like`` [B, ..., D]."""
+        if self.rows is None:
+            raise RuntimeError("slot index not set: run the encoder through the Runner")
+        picked = bank.index_select(0, self.rows)  # [B, D]
+        return picked.view(picked.shape[0], *([1] * (like.dim() - 2)), picked.shape[1])
+
+
+class SlottedLinear(nn.Module):
+    """y = x W^T + bank[row]. ``bank`` None means no bias at all (the dropped key bias, the folded value bias)."""
+
+    def __init__(self, linear: nn.Linear, index: SlotIndex, bank: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.index = index
+        self.bank = bank  # [S, out] or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # [B, ..., out]
+        if self.bank is None:
+            return y
+        return y + self.index.gather(self.bank, y)
+
+
+class SlottedLayerNorm(nn.Module):
+    """LayerNorm without its bias, then the row's task bias added by gather."""
+
+    def __init__(self, ln: nn.LayerNorm, index: SlotIndex, bank: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = ln.weight
+        self.normalized_shape = ln.normalized_shape
+        self.eps = ln.eps
+        self.index = index
+        self.bank = bank  # [S, D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
+        return y + self.index.gather(self.bank, y)
+
+
+@dataclass
+class BiasSite:
+    """One biased module of the encoder and how its bias is served."""
+
+    name: str  # the bias parameter's name, e.g. encoder.layer.0.attention.output.dense.bias
+    module: nn.Module  # the slotted replacement
+    bank: torch.Tensor | None  # its [S, D] bank, shared with the module; None when dropped/folded away
+    base: torch.Tensor  # base bias [D] on the device (the value for tasks that do not train it)
+    served: bool = True  # False: dropped (b_k) or folded away (b_v)
+    fold_from: str | None = None  # for b_o: the b_v whose W_o-product it absorbs
+    fold_weight: torch.Tensor | None = field(default=None, repr=False)  # W_o [out, in]
+
+
+def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    return mod, leaf
+
+
+def install_slots(
+    model: nn.Module, n_slots: int, *, drop_key_bias: bool = True, fold_value_bias: bool = True
+) -> tuple[SlotIndex, dict[str, BiasSite]]:
+    """Replace every biased Linear/LayerNorm of ``model`` (in place) with a slotted one; every slot starts as base.
+
+    Returns the shared index and the sites by bias parameter name.
+    """
+    try:
+        roles = bias_roles(model)
+    except EncoderError:
+        roles = {}  # unknown architecture: serve every bias, no simplifications
+    if not roles:
+        drop_key_bias = fold_value_bias = False
+    by_role_layer = {(r.role, r.layer): n for n, r in roles.items()}
+    index = SlotIndex()
+    sites: dict[str, BiasSite] = {}
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.LayerNorm)]
+    for mod_name, mod in targets:
+        if mod.bias is None:
+            continue
+        name = f"{mod_name}.bias"
+        base = mod.bias.detach().clone()
+        role = roles.get(name)
+        dropped = role is not None and ((drop_key_bias and role.role == "k") or (fold_value_bias and role.role == "v"))
+        bank = None if dropped else base.unsqueeze(0).repeat(n_slots, 1).contiguous()  # [S, D]
+        new: nn.Module
+        if isinstance(mod, nn.LayerNorm):
+            assert bank is not None
+            new = SlottedLayerNorm(mod, index, bank)
+        else:
+            new = SlottedLinear(mod, index, bank)
+        parent, leaf = _parent(model, mod_name)
+        setattr(parent, leaf, new)
+        site = BiasSite(name, new, bank, base, served=not dropped)
+        if fold_value_bias and role is not None and role.role == "m1":
+            site.fold_from = by_role_layer.get(("v", role.layer))
+            site.fold_weight = mod.weight.detach()
+        sites[name] = site
+    for site in sites.values():  # every slot starts as the base model, folded b_v included
+        if site.fold_from is not None and site.bank is not None:
+            with torch.no_grad():
+                site.bank.copy_(_folded(site, sites, site.base, None).expand_as(site.bank))
+    return index, sites
+
+
+def _folded(site: BiasSite, sites: Mapping[str, BiasSite], b_o: torch.Tensor, b_v: torch.Tensor | None) -> torch.Tensor:
+    """b_o' = b_o + W_o b_v (base b_v where the task has none), in float32, cast to the bank's dtype."""
+    assert site.fold_from is not None and site.fold_weight is not None
+    v = sites[site.fold_from].base if b_v is None else b_v
+    return (b_o.float() + site.fold_weight.float() @ v.float()).to(site.base.dtype)
+
+
+@torch.no_grad()
+def write_slot(sites: Mapping[str, BiasSite], slot: int, biases: Mapping[str, torch.Tensor]) -> None:
+    """Load a task's biases into ``slot`` of every bank (base values where the task has none)."""
+    for site in sites.values():
+        if not site.served or site.bank is None:
+            continue
+        value = biases.get(site.name)
+        value = site.base if value is None else value.to(site.base.device, site.base.dtype)
+        if site.fold_from is not None:
+            b_v = biases.get(site.fold_from)
+            value = _folded(site, sites, value, None if b_v is None else b_v.to(site.base.device))
+        site.bank[slot].copy_(value)

@@ -1,0 +1,62 @@
+"""Prometheus metrics, in a registry of the app's own (two apps in one process never clash)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from server.engine.batcher import BatchStats
+from server.engine.slots import SlotStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "patchserve_requests", "Predict requests by task and HTTP status.", ["task", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "patchserve_request_latency_seconds",
+            "Predict latency by task.",
+            ["task"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "patchserve_batch_rows", "Inputs per forward pass.", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.batch_tasks = Histogram(
+            "patchserve_batch_tasks", "Distinct tasks per forward pass.", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram(
+            "patchserve_batch_seconds", "Time of one forward pass.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_rows = Gauge("patchserve_queue_rows", "Inputs waiting for a batch.", registry=r)
+        self.slot_events = Counter(
+            "patchserve_slot_events", "Device slot hits, misses and evictions.", ["event"], registry=r
+        )
+        self.patch_load = Histogram(
+            "patchserve_patch_load_seconds",
+            "Time to load a patch into a device slot, or from the registry ('source').",
+            ["source"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tasks = Gauge("patchserve_tasks", "Tasks registered (as this replica sees it).", registry=r)
+        self._slots_seen = SlotStats()
+
+    def observe_batch(self, stats: BatchStats) -> None:
+        self.batch_rows.observe(stats.rows)
+        self.batch_tasks.observe(stats.tasks)
+        self.batch_seconds.observe(stats.seconds)
+
+    def sync_slots(self, stats: SlotStats) -> None:
+        """Fold the slot manager's running totals into the counters."""
+        for field, event in (("hits", "hit"), ("misses", "miss"), ("evictions", "eviction")):
+            delta = getattr(stats, field) - getattr(self._slots_seen, field)
+            if delta > 0:
+                self.slot_events.labels(event=event).inc(delta)
+                setattr(self._slots_seen, field, getattr(stats, field))

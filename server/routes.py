@@ -1,0 +1,207 @@
+"""HTTP routes. They only translate HTTP to catalog / batcher calls; errors become 4xx/5xx in ``server.app``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, File, HTTPException, Request, Response, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from patches.cli import patch_summary
+from patches.errors import PatchError, PatchServeError, PatchTooLargeError, TaskNotFoundError
+from patches.format import Patch
+from server.deps import AdminAuth, PredictAuth, ServiceDep
+from server.predict import InputError, decode, encode, normalise_inputs
+from server.schemas import (
+    BaseInfo,
+    ErrorBody,
+    PredictRequest,
+    PredictResponse,
+    RollbackRequest,
+    TaskDetail,
+    TaskRegistered,
+    TaskSummary,
+    VersionPublic,
+)
+
+router = APIRouter()
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 413, 422, 503, 504)
+}
+
+
+class ClientGoneError(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _wait_rows(futures: list[asyncio.Future[Any]], request: Request, timeout: float) -> list[Any]:
+    """Wait for every row; give up on timeout (504) or when the client hangs up (its rows are dropped)."""
+    gathered = asyncio.gather(*futures)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise HTTPException(
+                    504, f"prediction took longer than {timeout:g}s; retry, or raise PATCHSERVE_REQUEST_TIMEOUT_S"
+                )
+            done, _ = await asyncio.wait({gathered}, timeout=min(0.25, remaining))
+            if done:
+                return list(gathered.result())
+            if await request.is_disconnected():
+                raise ClientGoneError
+    finally:
+        if not gathered.done():
+            gathered.cancel()  # cancels the rows' futures: the batcher drops them before the device
+
+
+@router.post(
+    "/tasks/{name}/predict",
+    response_model=PredictResponse,
+    response_model_exclude_none=True,
+    responses=_ERRORS,
+    tags=["predict"],
+)
+async def predict(name: str, body: PredictRequest, request: Request, svc: ServiceDep, _: PredictAuth) -> Any:
+    """Predict with the current version of task ``name``. Inputs of any tasks share batches on the device."""
+    s, m = svc.settings, svc.metrics
+    t0, status, label = time.perf_counter(), 500, "_unknown"
+    try:
+        texts, pairs = normalise_inputs(body.inputs)
+        if len(texts) > s.max_inputs_per_request:
+            raise InputError(
+                f"{len(texts)} inputs in one request; the limit is {s.max_inputs_per_request} "
+                "(PATCHSERVE_MAX_INPUTS_PER_REQUEST) -- split the request"
+            )
+        info, patch = await run_in_threadpool(svc.catalog.resolve, name)
+        label = name
+        max_len = min(patch.meta.max_seq_length, s.max_seq_length, svc.encoder.max_positions)
+        encoded = encode(svc.encoder.tokenizer, patch, texts, pairs, max_len)
+        outputs = await _wait_rows(svc.batcher.submit([e.row for e in encoded]), request, s.request_timeout_s)
+        preds = [decode(o, e, body.top_k, body.all_scores) for o, e in zip(outputs, encoded, strict=True)]
+        status = 200
+        return PredictResponse(task=name, version=info.version, patch_id=info.patch_id, predictions=preds)
+    except ClientGoneError:
+        status = 499
+        return Response(status_code=499)
+    except HTTPException as exc:
+        status = exc.status_code
+        raise
+    except InputError:
+        status = 422
+        raise
+    except TaskNotFoundError:
+        status = 404
+        raise
+    finally:
+        m.requests.labels(task=label, status=str(status)).inc()
+        if status == 200:
+            m.latency.labels(task=label).observe(time.perf_counter() - t0)
+
+
+@router.post("/tasks", status_code=201, response_model=TaskRegistered, responses=_ERRORS, tags=["tasks"])
+async def register(
+    svc: ServiceDep,
+    _: AdminAuth,
+    patch: UploadFile = File(description="A patch file (.safetensors) made by `patchserve train`."),  # noqa: B008
+) -> Any:
+    """Register a patch as the new current version of its task (the task name comes from the patch)."""
+    limit = svc.settings.max_patch_bytes
+    data = await patch.read(limit + 1)
+    try:
+        parsed = Patch.from_bytes(data, max_bytes=limit)
+        info = await run_in_threadpool(svc.catalog.register, parsed)
+    except PatchTooLargeError as exc:
+        raise HTTPException(413, str(exc)) from exc
+    except PatchError as exc:
+        raise HTTPException(422, f"invalid patch: {exc}") from exc
+    m = parsed.meta
+    return TaskRegistered(
+        name=info.task,
+        version=info.version,
+        patch_id=info.patch_id,
+        kind=m.kind,
+        labels=m.labels,
+        n_params=parsed.n_params,
+        base=BaseInfo(name=m.base.name, fingerprint=m.base.fingerprint),
+    )
+
+
+@router.get("/tasks", response_model=list[TaskSummary], tags=["tasks"])
+async def list_tasks(svc: ServiceDep) -> Any:
+    """Every registered task with its current version."""
+    snap = await run_in_threadpool(svc.registry.snapshot)
+    return [
+        TaskSummary(name=t, version=v.version, patch_id=v.patch_id, registered_at=v.registered_at)
+        for t, v in snap.items()
+    ]
+
+
+@router.get("/tasks/{name}", response_model=TaskDetail, responses=_ERRORS, tags=["tasks"])
+async def get_task(name: str, svc: ServiceDep) -> Any:
+    """A task's versions, which one is current, and the current patch's metadata."""
+
+    def read() -> TaskDetail:
+        versions = svc.registry.versions(name)
+        info, patch = svc.registry.get(name)
+        return TaskDetail(
+            name=name,
+            current=info.version,
+            versions=[
+                VersionPublic(version=v.version, patch_id=v.patch_id, size=v.size, registered_at=v.registered_at)
+                for v in versions
+            ],
+            metadata=patch_summary(patch),
+        )
+
+    return await run_in_threadpool(read)
+
+
+@router.delete("/tasks/{name}", responses=_ERRORS, tags=["tasks"])
+async def delete_task(name: str, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
+    """Delete a task and all its versions. Requests already in flight still complete."""
+    await run_in_threadpool(svc.catalog.delete, name)
+    return {"name": name, "deleted": True}
+
+
+@router.post("/tasks/{name}/rollback", response_model=TaskSummary, responses=_ERRORS, tags=["tasks"])
+async def rollback(name: str, body: RollbackRequest, svc: ServiceDep, _: AdminAuth) -> Any:
+    """Make an earlier (or later) stored version current."""
+    info = await run_in_threadpool(svc.catalog.rollback, name, body.version)
+    return TaskSummary(name=name, version=info.version, patch_id=info.patch_id, registered_at=info.registered_at)
+
+
+@router.get("/healthz", tags=["ops"])
+async def healthz() -> dict[str, str]:
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"model": ErrorBody}}, tags=["ops"])
+async def readyz(svc: ServiceDep) -> dict[str, str]:
+    """The encoder is loaded and the registry answers."""
+    try:
+        await run_in_threadpool(svc.registry.ping)
+    except PatchServeError as exc:
+        raise HTTPException(503, f"registry not reachable: {exc}") from exc
+    return {
+        "status": "ready",
+        "model": svc.encoder.name,
+        "fingerprint": svc.encoder.fingerprint,
+        "registry": svc.registry.url,
+        "device": str(svc.runner.device),
+    }
+
+
+@router.get("/metrics", tags=["ops"], response_class=Response)
+async def metrics(svc: ServiceDep) -> Response:
+    """Prometheus metrics."""
+    m = svc.metrics
+    m.queue_rows.set(svc.batcher.queued_rows)
+    m.tasks.set(len(svc.catalog.current))
+    m.sync_slots(svc.runner.slots.stats)
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,89 @@
+"""The server's settings: one pydantic-settings class. Every field is also an env var ``PATCHSERVE_<NAME>`` and a
+``patchserve serve --<name>`` option; the description under each field is its ``--help`` text.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from patches.cli import DEFAULT_REGISTRY
+
+log = logging.getLogger(__name__)
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PATCHSERVE_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 to accept connections from others.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    registry: str = Field(
+        DEFAULT_REGISTRY,
+        description="Where patches live: disk:///path (one machine) or redis://host:port/db (shared by replicas).",
+    )
+    model: str = Field(
+        "default",
+        description="Frozen base encoder: 'default' (packaged all-MiniLM-L6-v2), a local HF folder or a hub id.",
+    )
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|float16|bfloat16)$",
+        description="Compute dtype: 'auto' (float16 on GPU, float32 on CPU), float32, float16 or bfloat16.",
+    )
+    slots: int | None = Field(
+        None,
+        ge=1,
+        description="Tasks resident on the device at once; more are swapped in LRU. Default: 256 on CPU, "
+        "sized from free memory on GPU.",
+    )
+    max_batch_rows: int = Field(32, ge=1, description="Most inputs (of any tasks) run in one forward pass.")
+    max_batch_tokens: int = Field(
+        8192, ge=16, description="Most padded tokens (rows x longest row) in one forward pass; bounds memory."
+    )
+    max_wait_ms: float = Field(
+        5.0,
+        ge=0,
+        description="How long the first input of a batch may wait for others to join it. Trades latency "
+        "for throughput.",
+    )
+    max_queue_rows: int = Field(
+        1024, ge=1, description="Inputs allowed to wait; beyond this requests get 503 with Retry-After."
+    )
+    request_timeout_s: float = Field(30.0, gt=0, description="A predict request that takes longer gets 504.")
+    max_seq_length: int = Field(
+        512, ge=8, description="Longest input in tokens; longer inputs are truncated and the response says so."
+    )
+    max_inputs_per_request: int = Field(256, ge=1, description="Most inputs in one predict request.")
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body accepted (patch uploads included); else 413."
+    )
+    max_patch_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest patch file accepted.")
+    patch_cache_mb: int = Field(512, ge=1, description="Host memory for parsed patches in front of the registry (LRU).")
+    admin_token: SecretStr | None = Field(
+        None, description="When set, registering, deleting and rolling back need 'Authorization: Bearer <token>'."
+    )
+    predict_token: SecretStr | None = Field(
+        None, description="When set, predict needs 'Authorization: Bearer <token>' (this token or the admin one)."
+    )
+    drop_key_bias: bool = Field(
+        True, description="Skip the key bias, which cannot change attention (exact); off only for comparisons."
+    )
+    fold_value_bias: bool = Field(
+        True, description="Fold the value bias into the attention-output bias per task (exact)."
+    )
+    log_level: str = Field("info", description="Log level: debug, info, warning or error.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerSettings:
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("dtype float16 is not supported on the CPU: use float32 (or bfloat16)")
+        if self.host not in ("127.0.0.1", "localhost", "::1") and self.admin_token is None:
+            log.warning(
+                "listening on %s without an admin token: anyone who can reach it may register or delete tasks; "
+                "set PATCHSERVE_ADMIN_TOKEN",
+                self.host,
+            )
+        return self

@@ -1,0 +1,304 @@
+"""The HTTP API, in process, against the real engine on a tiny seeded BERT and real registries."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from patches.model import TaskModel
+from server.app import create_app
+from server.settings import ServerSettings
+from tests.helpers import make_patch
+
+
+def settings_for(registry: str, model_dir, **kw) -> ServerSettings:
+    base = {"registry": registry, "model": str(model_dir), "device": "cpu", "slots": 8, "max_wait_ms": 1.0}
+    return ServerSettings(**(base | kw))
+
+
+@pytest.fixture
+def make_client(tmp_path, tiny_bert_dir):
+    clients = []
+
+    def make(registry: str | None = None, **kw) -> TestClient:
+        client = TestClient(create_app(settings_for(registry or f"disk://{tmp_path}/reg", tiny_bert_dir, **kw)))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+def upload(client: TestClient, patch, headers=None):
+    return client.post("/tasks", files={"patch": ("p.safetensors", patch.data)}, headers=headers or {})
+
+
+def reference_probs(encoder, patch, text, pair=None):
+    model = TaskModel.from_patch(copy.deepcopy(encoder.model), patch).eval()
+    enc = encoder.tokenizer([text], None if pair is None else [pair], return_tensors="pt")
+    with torch.no_grad():
+        return model(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])[0]
+
+
+def test_register_then_predict_matches_the_reference(make_client, tiny_encoder):
+    client = make_client()
+    patch = make_patch(tiny_encoder, "sentiment", seed=3)
+    r = upload(client, patch)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body == {
+        "name": "sentiment",
+        "version": 1,
+        "patch_id": patch.patch_id,
+        "kind": "classification",
+        "labels": ["negative", "positive"],
+        "n_params": patch.n_params,
+        "base": {"name": tiny_encoder.name, "fingerprint": tiny_encoder.fingerprint},
+    }
+    r = client.post(
+        "/tasks/sentiment/predict",
+        json={"inputs": ["the movie was good", "boring plot"], "all_scores": True, "top_k": 1},
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert (out["task"], out["version"], out["patch_id"]) == ("sentiment", 1, patch.patch_id)
+    for text, pred in zip(["the movie was good", "boring plot"], out["predictions"], strict=True):
+        probs = reference_probs(tiny_encoder, patch, text).softmax(-1)
+        best = int(probs.argmax())
+        assert pred["label"] == patch.meta.labels[best]
+        assert pred["score"] == pytest.approx(float(probs[best]), abs=1e-5)
+        assert pred["scores"]["positive"] == pytest.approx(float(probs[1]), abs=1e-5)
+        assert pred["top_k"] == [{"label": pred["label"], "score": pred["score"]}]
+        assert pred["truncated"] is False
+
+
+def test_regression_pairs_and_tagging(make_client, tiny_encoder):
+    client = make_client()
+    sts = make_patch(tiny_encoder, "sts", kind="regression", seed=4)
+    pos = make_patch(tiny_encoder, "pos", kind="token-classification", seed=5)
+    assert upload(client, sts).status_code == 201 and upload(client, pos).status_code == 201
+    r = client.post("/tasks/sts/predict", json={"inputs": [{"text": "a cat runs", "text_pair": "a dog runs"}]})
+    assert r.status_code == 200, r.text
+    expected = reference_probs(tiny_encoder, sts, "a cat runs", "a dog runs")[0]
+    assert r.json()["predictions"][0]["value"] == pytest.approx(float(expected), abs=1e-5)
+    r = client.post("/tasks/pos/predict", json={"inputs": "the cat runs quickly"})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["predictions"][0]["tokens"]
+    assert [t["token"] for t in tokens] == ["the", "cat", "runs", "quickly"]
+    assert all(t["label"] in ("DET", "NOUN", "VERB") and 0 < t["score"] <= 1 for t in tokens)
+    r = client.post("/tasks/pos/predict", json={"inputs": [{"text": "a", "text_pair": "b"}]})
+    assert r.status_code == 422 and "text_pair" in r.json()["detail"]
+
+
+def test_long_inputs_are_truncated_and_flagged(make_client, tiny_encoder):
+    client = make_client(max_seq_length=16)
+    upload(client, make_patch(tiny_encoder, "t"))
+    r = client.post("/tasks/t/predict", json={"inputs": ["the movie " * 40, "good"]})
+    assert r.status_code == 200, r.text
+    assert [p["truncated"] for p in r.json()["predictions"]] == [True, False]
+
+
+def test_task_management_routes(make_client, tiny_encoder):
+    client = make_client()
+    a, b = make_patch(tiny_encoder, "t", seed=1), make_patch(tiny_encoder, "t", seed=2)
+    upload(client, a)
+    assert upload(client, b).json()["version"] == 2
+    tasks = client.get("/tasks").json()
+    assert [(t["name"], t["version"], t["patch_id"]) for t in tasks] == [("t", 2, b.patch_id)]
+    detail = client.get("/tasks/t").json()
+    assert detail["current"] == 2 and [v["version"] for v in detail["versions"]] == [1, 2]
+    assert detail["metadata"]["patch_id"] == b.patch_id and detail["metadata"]["kind"] == "classification"
+    r = client.post("/tasks/t/rollback", json={"version": 1})
+    assert r.status_code == 200 and r.json()["patch_id"] == a.patch_id
+    assert client.post("/tasks/t/predict", json={"inputs": "good"}).json()["patch_id"] == a.patch_id
+    r = client.post("/tasks/t/rollback", json={"version": 9})
+    assert r.status_code == 404 and "versions are [1, 2]" in r.json()["detail"]
+    assert client.delete("/tasks/t").json() == {"name": "t", "deleted": True}
+    r = client.post("/tasks/t/predict", json={"inputs": "good"})
+    assert r.status_code == 404 and "GET /tasks" in r.json()["detail"]
+    assert client.get("/tasks").json() == []
+
+
+def test_bad_patches_are_refused_and_the_registry_is_unchanged(make_client, tiny_encoder):
+    client = make_client(max_patch_bytes=200_000)
+    good = make_patch(tiny_encoder, "t")
+    upload(client, good)
+    before = client.get("/tasks/t").json()
+    r = upload(client, type("P", (), {"data": good.data[:-7]})())
+    assert r.status_code == 422 and "truncated" in r.json()["detail"]
+    r = upload(client, type("P", (), {"data": b"not a patch at all"})())
+    assert r.status_code == 422
+    other_base = make_patch(tiny_encoder, "t", seed=9)
+    other_base.meta.base = type(other_base.meta.base)("elsewhere", "sha256:" + "e" * 64)
+    other_base.__dict__.pop("data", None)
+    other_base.__dict__.pop("patch_id", None)
+    r = upload(client, other_base)
+    assert (
+        r.status_code == 422 and "sha256:eee" in r.json()["detail"] and tiny_encoder.fingerprint in r.json()["detail"]
+    )
+    r = upload(client, type("P", (), {"data": b"\0" * 300_000})())
+    assert r.status_code == 413
+    r = client.post("/tasks", files={"wrong_field": ("p", good.data)})
+    assert r.status_code == 422
+    assert client.get("/tasks/t").json() == before
+
+
+def test_bad_requests_get_clear_4xx(make_client, tiny_encoder):
+    client = make_client(max_inputs_per_request=3)
+    upload(client, make_patch(tiny_encoder, "t"))
+    cases = [
+        ({"inputs": []}, 422, "empty"),
+        ({"inputs": ["a"] * 4}, 422, "limit is 3"),
+        ({"inputs": [{"text": "a", "text_pair": "b"}, {"text": "c"}]}, 422, "text_pair"),
+        ({"inputs": "good", "top_k": 0}, 422, "greater than or equal"),
+        ({"text": "good"}, 422, "inputs"),
+    ]
+    for body, status, words in cases:
+        r = client.post("/tasks/t/predict", json=body)
+        assert r.status_code == status, (body, r.text)
+        assert words in r.text, (body, r.text)
+    r = client.post("/tasks/bad..name/predict", json={"inputs": "x"})
+    assert r.status_code == 422 and "invalid task name" in r.json()["detail"]
+
+
+def test_auth(make_client, tiny_encoder):
+    client = make_client(admin_token="adm1n", predict_token="pr3d")
+    patch = make_patch(tiny_encoder, "t")
+    r = upload(client, patch)
+    assert r.status_code == 401 and "Bearer" in r.json()["detail"] and r.headers["www-authenticate"] == "Bearer"
+    assert upload(client, patch, {"Authorization": "Bearer pr3d"}).status_code == 403
+    assert upload(client, patch, {"Authorization": "Bearer adm1n"}).status_code == 201
+    assert client.delete("/tasks/t", headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert client.post("/tasks/t/predict", json={"inputs": "x"}).status_code == 401
+    assert (
+        client.post("/tasks/t/predict", json={"inputs": "x"}, headers={"Authorization": "Bearer x"}).status_code == 403
+    )
+    for token in ("pr3d", "adm1n"):
+        r = client.post("/tasks/t/predict", json={"inputs": "x"}, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200
+    assert client.get("/healthz").status_code == 200  # probes need no token
+
+
+def test_ops_routes_and_openapi(make_client, tiny_encoder):
+    client = make_client()
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["fingerprint"] == tiny_encoder.fingerprint
+    upload(client, make_patch(tiny_encoder, "t"))
+    client.post("/tasks/t/predict", json={"inputs": ["good", "bad"]})
+    client.post("/tasks/missing/predict", json={"inputs": "x"})
+    text = client.get("/metrics").text
+    assert 'patchserve_requests_total{status="200",task="t"} 1.0' in text
+    assert 'patchserve_requests_total{status="404",task="_unknown"} 1.0' in text
+    for name in (
+        "patchserve_batch_rows",
+        "patchserve_batch_tasks",
+        "patchserve_queue_rows",
+        'patchserve_slot_events_total{event="miss"}',
+        "patchserve_patch_load_seconds",
+        "patchserve_request_latency_seconds",
+    ):
+        assert name in text, name
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in (
+        "/tasks/{name}/predict",
+        "/tasks",
+        "/tasks/{name}",
+        "/tasks/{name}/rollback",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in paths
+
+
+def test_overload_is_503_with_retry_after(make_client, tiny_encoder):
+    client = make_client(max_queue_rows=2)
+    upload(client, make_patch(tiny_encoder, "t"))
+    r = client.post("/tasks/t/predict", json={"inputs": ["a", "b", "c"]})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queued" in r.json()["detail"]
+    assert client.post("/tasks/t/predict", json={"inputs": ["a", "b"]}).status_code == 200
+
+
+def test_slow_requests_time_out_with_504(make_client, tiny_encoder):
+    client = make_client(max_wait_ms=300, request_timeout_s=0.02)
+    upload(client, make_patch(tiny_encoder, "t"))
+    r = client.post("/tasks/t/predict", json={"inputs": "good"})
+    assert r.status_code == 504 and "REQUEST_TIMEOUT" in r.json()["detail"]
+
+
+def test_oversized_body_is_413(make_client):
+    client = make_client(max_body_bytes=2048)
+    r = client.post("/tasks/t/predict", json={"inputs": "x" * 5000})
+    assert r.status_code == 413 and "MAX_BODY_BYTES" in r.json()["detail"]
+
+
+def wait_until(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _traffic(client, task, stop, results, errors):
+    while not stop.is_set():
+        t0 = time.monotonic()
+        r = client.post(f"/tasks/{task}/predict", json={"inputs": ["the movie was good", "awful"]})
+        if r.status_code != 200:
+            errors.append(r.text)
+        else:
+            results.append((t0, r.json()["patch_id"]))
+
+
+def test_hot_swap_under_traffic_fails_no_request(make_client, tiny_encoder):
+    client = make_client()
+    v1, v2 = make_patch(tiny_encoder, "t", seed=1), make_patch(tiny_encoder, "t", seed=2)
+    upload(client, v1)
+    stop, results, errors = threading.Event(), [], []
+    threads = [threading.Thread(target=_traffic, args=(client, "t", stop, results, errors)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(results) >= 20 or errors, what="traffic on v1")
+        assert upload(client, v2).status_code == 201
+        swapped = time.monotonic()
+        wait_until(lambda: len([r for r in results if r[0] > swapped]) >= 20 or errors, what="traffic on v2")
+    finally:
+        stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert {pid for _, pid in results} == {v1.patch_id, v2.patch_id}
+    assert all(pid == v2.patch_id for t0, pid in results if t0 > swapped), "a request after the swap got v1"
+
+
+def test_two_replicas_share_a_redis_registry(make_client, redis_url, tiny_encoder):
+    url = f"{redis_url}?prefix=replicas-{uuid.uuid4().hex[:6]}:"
+    a, b = make_client(url), make_client(url)
+    v1, v2 = make_patch(tiny_encoder, "shared", seed=1), make_patch(tiny_encoder, "shared", seed=2)
+    assert upload(a, v1).status_code == 201
+    r = b.post("/tasks/shared/predict", json={"inputs": "good"})  # never seen by b before: looked up at once
+    assert r.status_code == 200 and r.json()["patch_id"] == v1.patch_id
+    assert upload(a, v2).status_code == 201
+    deadline = time.monotonic() + 10
+    while b.post("/tasks/shared/predict", json={"inputs": "good"}).json()["patch_id"] != v2.patch_id:
+        assert time.monotonic() < deadline, "replica b never served v2"
+        time.sleep(0.02)
+    b.post("/tasks/shared/rollback", json={"version": 1})
+    deadline = time.monotonic() + 10
+    while a.post("/tasks/shared/predict", json={"inputs": "good"}).json()["patch_id"] != v1.patch_id:
+        assert time.monotonic() < deadline, "replica a never saw the rollback"
+        time.sleep(0.02)
+    a.delete("/tasks/shared")
+    deadline = time.monotonic() + 10
+    while b.post("/tasks/shared/predict", json={"inputs": "good"}).status_code != 404:
+        assert time.monotonic() < deadline, "replica b still serves a deleted task"
+        time.sleep(0.02)

@@ -1,0 +1,146 @@
+"""The batched multi-task engine against the plain HF reference, row by row."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from patches.encoder import load_encoder
+from patches.model import TaskModel
+from server.engine.runner import Row, Runner
+from server.engine.slots import PatchCache, SlotManager, SlotsExhaustedError
+from server.engine.slotted import SlottedLinear
+from tests.helpers import make_patch
+
+SENTENCES = [
+    "the movie was good",
+    "what a boring plot",
+    "who is the actor",
+    "the cat runs quickly and the dog runs slowly",
+    "big",
+    "where is the city",
+    "not very fun really",
+    "i love the red film",
+]
+
+
+def _rows(encoder, patch, texts, pair=None):
+    enc = encoder.tokenizer(texts, pair, truncation=True, max_length=32)
+    return [Row(ids, tt, patch) for ids, tt in zip(enc["input_ids"], enc["token_type_ids"], strict=True)]
+
+
+def _reference(plain_model, patch, row):
+    model = TaskModel.from_patch(copy.deepcopy(plain_model), patch).eval()
+    ids = torch.tensor([row.input_ids])
+    with torch.no_grad():
+        out = model(ids, torch.ones_like(ids), torch.tensor([row.token_type_ids]))
+    return out[0]
+
+
+@pytest.fixture(scope="module")
+def task_patches(tiny_encoder):
+    return [
+        make_patch(tiny_encoder, "sent", seed=1, pooling="mean"),
+        make_patch(tiny_encoder, "topic", seed=2, pooling="cls", labels=["a", "b", "c", "d", "e"]),
+        make_patch(tiny_encoder, "score", seed=3, kind="regression", pooling="pooler"),
+        make_patch(tiny_encoder, "pos", seed=4, kind="token-classification"),
+        make_patch(tiny_encoder, "small", seed=5, subset="query-intermediate"),
+    ]
+
+
+@pytest.mark.parametrize("simplify", [True, False], ids=["drop-k+fold-v", "plain-banks"])
+def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_patches, simplify):
+    runner = Runner(
+        load_encoder(str(tiny_bert_dir)), device="cpu", slots=8, drop_key_bias=simplify, fold_value_bias=simplify
+    )
+    rng = random.Random(0)
+    rows = []
+    for i in range(24):
+        patch = task_patches[i % len(task_patches)]
+        rows += _rows(tiny_encoder, patch, [rng.choice(SENTENCES)])
+    rng.shuffle(rows)
+    got = runner.run(rows)
+    assert len(got) == len(rows)
+    for row, out in zip(rows, got, strict=True):
+        torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
+    # a task run alone gives the same as inside the mix
+    alone = runner.run([rows[0]])[0]
+    torch.testing.assert_close(alone, got[0], rtol=0, atol=1e-5)
+
+
+def test_two_patches_give_different_outputs(tiny_bert_dir, tiny_encoder):
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=4)
+    a = make_patch(tiny_encoder, "x", seed=1)
+    b = copy.deepcopy(a)
+    b.biases = {k: v + 0.3 for k, v in a.biases.items()}  # same head, other biases
+    b.__dict__.pop("data", None)
+    b.__dict__.pop("patch_id", None)
+    outs = runner.run(_rows(tiny_encoder, a, ["the movie"]) + _rows(tiny_encoder, b, ["the movie"]))
+    assert (outs[0] - outs[1]).abs().max() > 1e-2
+
+
+def test_sentence_pairs(tiny_bert_dir, tiny_encoder):
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2)
+    patch = make_patch(tiny_encoder, "sts", kind="regression", seed=7)
+    rows = _rows(tiny_encoder, patch, ["a cat runs", "the film"], ["a dog runs", "the movie was good"])
+    assert any(1 in r.token_type_ids for r in rows)
+    for row, out in zip(rows, runner.run(rows), strict=True):
+        torch.testing.assert_close(out, _reference(tiny_encoder.model, patch, row), rtol=0, atol=1e-5)
+
+
+def test_key_bias_is_dropped_and_value_bias_folded(tiny_bert_dir):
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2)
+    layer = runner.model.encoder.layer[0]
+    assert isinstance(layer.attention.self.key, SlottedLinear) and layer.attention.self.key.bank is None
+    assert layer.attention.self.value.bank is None
+    assert layer.attention.self.query.bank is not None and layer.attention.output.dense.bank is not None
+
+
+def test_slot_eviction_reloads_correctly(tiny_bert_dir, tiny_encoder):
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2)
+    patches = [make_patch(tiny_encoder, f"t{i}", seed=20 + i) for i in range(4)]
+    for _ in range(2):
+        for p in patches:
+            row = _rows(tiny_encoder, p, ["the movie was good"])[0]
+            torch.testing.assert_close(runner.run([row])[0], _reference(tiny_encoder.model, p, row), rtol=0, atol=1e-5)
+    assert runner.slots.stats.evictions >= 6
+
+
+def test_slot_manager_never_evicts_pinned_slots():
+    sm = SlotManager(2)
+    m1, load1 = sm.acquire(["a", "b"])
+    assert sorted(m1.values()) == [0, 1] and len(load1) == 2
+    with pytest.raises(SlotsExhaustedError):
+        sm.acquire(["c"])  # both pinned by the in-flight batch
+    sm.release(["a", "b"])
+    m2, load2 = sm.acquire(["b", "c"])  # "a" is the least recently used idle slot
+    assert m2["b"] == m1["b"] and m2["c"] == m1["a"] and load2 == [("c", m1["a"])]
+    assert (sm.stats.hits, sm.stats.misses, sm.stats.evictions) == (1, 3, 1)
+    with pytest.raises(SlotsExhaustedError):
+        sm.acquire(["x", "y", "z"])
+
+
+def test_patch_cache_is_bounded_in_bytes(tiny_encoder):
+    patches = [make_patch(tiny_encoder, seed=i) for i in range(3)]
+    cache = PatchCache(max_bytes=2 * len(patches[0].data))
+    for p in patches:
+        cache.put(p)
+    assert cache.get(patches[0].patch_id) is None
+    assert cache.get(patches[2].patch_id) is patches[2]
+
+
+def test_default_minilm_mixed_batch(minilm):
+    """The real packaged encoder: a mixed batch matches the reference for each row."""
+    runner = Runner(load_encoder("default"), device="cpu", slots=4)
+    patches = [
+        make_patch(minilm, "a", seed=1, scale=0.05),
+        make_patch(minilm, "b", seed=2, scale=0.05, subset="query-intermediate"),
+    ]
+    rows = []
+    for i, text in enumerate(["A plane is taking off.", "What is the capital of Chile?", "Great film!"]):
+        rows += _rows(minilm, patches[i % 2], [text])
+    for row, out in zip(rows, runner.run(rows), strict=True):
+        torch.testing.assert_close(out, _reference(minilm.model, row.patch, row), rtol=0, atol=1e-4)
