@@ -62,6 +62,13 @@ class Encoder:
         return self._spec
 
 
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> CUDA when present, else CPU; anything else as torch names it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def default_encoder_path() -> Path:
     """Folder of the packaged all-MiniLM-L6-v2, or an error that says how to install it."""
     try:

@@ -23,6 +23,7 @@ from patches.errors import (
     TaskNotFoundError,
     VersionNotFoundError,
 )
+from patches.jobs import JobNotFoundError, JobQueue
 from patches.store import Registry, open_registry
 from server.catalog import Catalog
 from server.deps import Service
@@ -32,6 +33,7 @@ from server.engine.slots import PatchCache
 from server.metrics import Metrics
 from server.predict import InputError
 from server.routes import router
+from server.routes_jobs import router as jobs_router
 from server.settings import ServerSettings
 
 log = logging.getLogger("patchserve")
@@ -67,6 +69,7 @@ def _error(status: int, exc: Exception, headers: dict[str, str] | None = None) -
 def _install_error_handlers(app: FastAPI) -> None:
     table: list[tuple[type[Exception], int]] = [
         (TaskNotFoundError, 404),
+        (JobNotFoundError, 404),
         (VersionNotFoundError, 404),
         (InvalidTaskNameError, 422),
         (InputError, 422),
@@ -124,7 +127,9 @@ def create_app(
         )
         await asyncio.to_thread(catalog.start)
         batcher.start()
-        app.state.service = Service(settings, enc, reg, runner, batcher, catalog, metrics)
+        queue_url = settings.queue or (settings.registry if settings.registry.startswith("redis") else None)
+        queue = JobQueue(queue_url) if queue_url else None
+        app.state.service = Service(settings, enc, reg, runner, batcher, catalog, metrics, queue)
         log.info(
             "patchserve ready: %s (%s) on %s, registry %s, %d tasks",
             enc.name,
@@ -141,6 +146,8 @@ def create_app(
             await asyncio.to_thread(catalog.stop)
             if registry is None:
                 reg.close()
+            if queue is not None:
+                queue.close()
 
     app = FastAPI(
         title="patchserve",
@@ -151,6 +158,7 @@ def create_app(
     )
     app.state.service = None
     app.include_router(router)
+    app.include_router(jobs_router)
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 
 from patches.encoder import Encoder
+from patches.jobs import JobQueue
 from patches.store import Registry
 from server.catalog import Catalog
 from server.engine.batcher import Batcher
@@ -28,6 +29,7 @@ class Service:
     batcher: Batcher
     catalog: Catalog
     metrics: Metrics
+    queue: JobQueue | None = None
 
 
 def get_service(request: Request) -> Service:

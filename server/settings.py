@@ -23,6 +23,10 @@ class ServerSettings(BaseSettings):
         DEFAULT_REGISTRY,
         description="Where patches live: disk:///path (one machine) or redis://host:port/db (shared by replicas).",
     )
+    queue: str | None = Field(
+        None,
+        description="Redis URL of the training-job queue (POST /jobs). Default: the registry, when it is Redis.",
+    )
     model: str = Field(
         "default",
         description="Frozen base encoder: 'default' (packaged all-MiniLM-L6-v2), a local HF folder or a hub id.",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import torch
@@ -56,9 +58,17 @@ WORDS = [
 ]
 
 
+def tiny_vocab() -> list[str]:
+    """Special tokens, whole words, single letters and ``##`` letter pieces (unknown words split into pieces)."""
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    return list(
+        dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *letters, *(f"##{c}" for c in letters)])
+    )
+
+
 def tiny_bert_config(**overrides: object) -> BertConfig:
     cfg = {
-        "vocab_size": 5 + 26 + len(WORDS),
+        "vocab_size": len(tiny_vocab()),
         "hidden_size": 32,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
@@ -75,9 +85,9 @@ def tiny_bert_config(**overrides: object) -> BertConfig:
 def make_tiny_bert_folder(folder: Path, seed: int = 0) -> Path:
     """A random BERT (2 layers, hidden 32) with a real WordPiece tokenizer, saved as an HF folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz", *WORDS]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    vocab = tiny_vocab()
+    tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(vocab)}, do_lower_case=True)
+    assert tokenizer.tokenize("the good movie") == ["the", "good", "movie"], "tokenizer lost its vocabulary"
     tokenizer.save_pretrained(folder)
     torch.manual_seed(seed)
     model = BertModel(tiny_bert_config())
@@ -127,3 +137,30 @@ def make_patch(
         head_weight=torch.randn(n_out, encoder.hidden_size, generator=gen),
         head_bias=torch.randn(n_out, generator=gen),
     )
+
+
+def synthetic_rows(kind: str, n: int, seed: int = 0) -> list[dict]:
+    """A learnable task in the tiny vocabulary: the label is carried by one cue word among random filler."""
+    rng = random.Random(seed)
+    filler = ["the", "a", "movie", "film", "plot", "actor", "city", "cat", "dog", "runs", "and", "very"]
+    rows = []
+    for _ in range(n):
+        words = [rng.choice(filler) for _ in range(rng.randint(3, 8))]
+        positive = rng.random() < 0.5
+        words.insert(rng.randrange(len(words) + 1), "good" if positive else "bad")
+        text = " ".join(words)
+        if kind == "classification":
+            rows.append({"text": text, "label": "positive" if positive else "negative"})
+        elif kind == "pair":
+            rows.append({"text": text, "text_pair": rng.choice(filler), "label": "yes" if positive else "no"})
+        elif kind == "regression":
+            rows.append({"text": text, "text_pair": "the film", "label": 4.5 if positive else 0.5})
+        else:  # token-classification: cue words are ADJ, the rest OTHER
+            toks = text.split()
+            rows.append({"tokens": toks, "tags": ["ADJ" if t in ("good", "bad") else "OTHER" for t in toks]})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

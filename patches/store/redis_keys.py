@@ -41,3 +41,25 @@ class RedisKeys:
     def changes(self) -> str:
         """Pub/sub channel announcing registry changes (payload: task name)."""
         return f"{self.prefix}changes"
+
+    # --- training jobs -------------------------------------------------------------------------------------
+    @property
+    def job_stream(self) -> str:
+        """Stream of job ids; workers read it through the consumer group ``JOB_GROUP``."""
+        return f"{self.prefix}jobs:stream"
+
+    @property
+    def job_index(self) -> str:
+        """Sorted set of job ids by submission time (for listing)."""
+        return f"{self.prefix}jobs:index"
+
+    def job(self, job_id: str) -> str:
+        """Hash of one job's record (status, config, progress, result, error ...)."""
+        return f"{self.prefix}job:{job_id}"
+
+    def job_file(self, job_id: str, name: str) -> str:
+        """Bytes of one of a job's data files (train, dev, test)."""
+        return f"{self.prefix}job:{job_id}:file:{name}"
+
+
+JOB_GROUP = "patchserve-workers"

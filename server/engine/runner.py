@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from patches.encoder import Encoder
+from patches.encoder import Encoder, resolve_device
 from patches.format import Patch
 from patches.model import pool
 from server.engine.slots import SlotManager
@@ -32,12 +32,6 @@ class Row:
     input_ids: list[int]
     token_type_ids: list[int]
     patch: Patch
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

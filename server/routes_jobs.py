@@ -1,0 +1,72 @@
+"""The training-job API: enqueue a job (data files + JSON config) and follow it. Workers do the training."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from fastapi.concurrency import run_in_threadpool
+
+from patches.jobs import JobError, JobQueue
+from server.deps import AdminAuth, ServiceDep
+from server.schemas import ErrorBody
+
+router = APIRouter(tags=["jobs"])
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 413, 422, 503)}
+
+
+def _queue(svc: Any) -> JobQueue:
+    if svc.queue is None:
+        raise HTTPException(
+            503,
+            "training jobs need a Redis queue: start the server with PATCHSERVE_QUEUE="
+            "redis://host:port/db (or a Redis registry, which is used for both)",
+        )
+    queue: JobQueue = svc.queue
+    return queue
+
+
+@router.post("/jobs", status_code=202, responses=_ERRORS)
+async def submit_job(
+    svc: ServiceDep,
+    _: AdminAuth,
+    train: UploadFile = File(description="Training data (.jsonl or .csv)."),  # noqa: B008
+    dev: UploadFile | None = File(None, description="Dev data (default: 10% of train)."),  # noqa: B008
+    test: UploadFile | None = File(None, description="Test data, scored once at the end."),  # noqa: B008
+    config: str = Form(
+        description='JSON training config, e.g. {"task": "trec", "epochs": 5}; optional '
+        '"gate": {"min_dev": 0.8, "not_worse": true}.'
+    ),
+) -> dict[str, Any]:
+    """Queue a training job; a worker trains it and registers the patch if it passes the gate."""
+    queue = _queue(svc)
+    try:
+        raw = json.loads(config)
+    except json.JSONDecodeError as exc:
+        raise HTTPException(422, f"config is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise HTTPException(422, "config must be a JSON object")
+    gate = raw.pop("gate", None)
+    files = {}
+    for role, upload in (("train", train), ("dev", dev), ("test", test)):
+        if upload is not None:
+            files[role] = (upload.filename or f"{role}.jsonl", await upload.read())
+    try:
+        job = await run_in_threadpool(queue.submit, raw, files, gate)
+    except (JobError, TypeError) as exc:
+        raise HTTPException(422, str(exc)) from exc
+    return job.to_dict()
+
+
+@router.get("/jobs", responses=_ERRORS)
+async def list_jobs(svc: ServiceDep, limit: int = 50) -> list[dict[str, Any]]:
+    """Recent jobs, newest first, with status, progress, metrics and errors."""
+    jobs = await run_in_threadpool(_queue(svc).list, limit)
+    return [j.to_dict() for j in jobs]
+
+
+@router.get("/jobs/{job_id}", responses=_ERRORS)
+async def get_job(job_id: str, svc: ServiceDep) -> dict[str, Any]:
+    """One job: status (queued, running, succeeded, rejected, failed), progress, result, error."""
+    return (await run_in_threadpool(_queue(svc).get, job_id)).to_dict()

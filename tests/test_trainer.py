@@ -1,0 +1,224 @@
+"""train_patch on tiny seeded models: it learns, it changes only what it may, every kind runs end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from patches.bitfit import bias_parameters, target_names
+from patches.format import Patch
+from patches.jobs import JobError, TrainConfig
+from patches.model import TaskModel
+from tests.helpers import synthetic_rows, write_jsonl
+from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
+from trainer.data import DataError, load_dataset, split_dev
+from trainer.train import evaluate, featurize, train_patch
+
+
+def _data(tmp_path, kind, n_train=240, n_dev=60):
+    train = load_dataset(write_jsonl(tmp_path / f"{kind}-train.jsonl", synthetic_rows(kind, n_train, seed=1)))
+    dev = load_dataset(
+        write_jsonl(tmp_path / f"{kind}-dev.jsonl", synthetic_rows(kind, n_dev, seed=2)),
+        kind=train.kind,
+        labels=train.labels or None,
+    )
+    return train, dev
+
+
+def _config(**kw) -> TrainConfig:
+    base = {
+        "task": "t",
+        "min_steps": 60,
+        "epochs": 1,
+        "batch_size": 16,
+        "eval_every": 20,
+        "device": "cpu",
+        "patience": 100,
+        "lr": 1e-2,
+        "pooling": "mean",
+    }
+    return TrainConfig(**(base | kw))
+
+
+def test_dev_accuracy_rises_on_a_learnable_task(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification")
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=300))
+    curve = [h["dev_accuracy"] for h in result.report["history"]]
+    assert curve[-1] >= 0.9 and max(curve) > curve[0] + 0.2, curve
+    assert result.report["dev"]["accuracy"] == max(curve)  # best checkpoint restored
+    assert result.patch is not None and result.patch.meta.metrics["dev_accuracy"] == max(curve)
+
+
+@pytest.mark.parametrize("subset", ["all", "query-intermediate"])
+def test_only_target_biases_and_the_head_change(tmp_path, tiny_encoder, subset):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    before = {n: p.detach().clone() for n, p in tiny_encoder.model.named_parameters()}
+    result = train_patch(tiny_encoder, train, dev, _config(bias_subset=subset, min_steps=20))
+    targets = set(target_names(tiny_encoder.model, subset))
+    trained = dict(result.model.encoder.named_parameters())
+    moved = {n for n, p in trained.items() if not torch.equal(p.detach().cpu(), before[n])}
+    assert moved and moved <= targets, moved - targets
+    assert len(moved) >= len(targets) - 2  # b_k barely moves but the rest must (pooler unused by mean pooling)
+    assert all(torch.equal(p, before[n]) for n, p in tiny_encoder.model.named_parameters()), "input encoder touched"
+    assert set(result.patch.biases) == targets
+    assert (
+        result.report["trainable_params"]
+        == sum(bias_parameters(tiny_encoder.model)[n].numel() for n in targets) + result.patch.head_weight.numel() + 2
+    )
+
+
+@pytest.mark.parametrize("kind", ["pair", "regression", "token-classification"])
+def test_every_kind_trains_end_to_end(tmp_path, tiny_encoder, kind):
+    train, dev = _data(tmp_path, kind)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=300), test=dev)
+    patch = Patch.from_bytes(result.patch.data)
+    expected_kind = {"pair": "classification"}.get(kind, kind)
+    assert patch.meta.kind == expected_kind and result.report["kind"] == expected_kind
+    primary = {"classification": "accuracy", "regression": "spearman", "token-classification": "token_accuracy"}
+    score = result.report["test"][primary[expected_kind]]
+    assert score > 0.8, result.report["test"]
+    if kind == "regression":
+        assert {"spearman", "pearson", "mse"} <= set(result.report["test"])
+    # the patch alone, applied to a fresh copy of the encoder, scores exactly what the trained model scored
+    model = TaskModel.from_patch(copy.deepcopy(tiny_encoder.model), patch)
+    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 128)
+    assert evaluate(model, feats, 0) == result.report["test"]
+
+
+def test_training_is_deterministic_per_seed(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    a = train_patch(tiny_encoder, train, dev, _config(min_steps=15, seed=3))
+    b = train_patch(tiny_encoder, train, dev, _config(min_steps=15, seed=3))
+    c = train_patch(tiny_encoder, train, dev, _config(min_steps=15, seed=4))
+    assert all(torch.equal(a.patch.biases[n], b.patch.biases[n]) for n in a.patch.biases)
+    assert torch.equal(a.patch.head_weight, b.patch.head_weight)
+    assert not torch.equal(a.patch.head_weight, c.patch.head_weight)
+
+
+def test_restarts_and_lr_search_keep_the_best_dev_score(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=15, lr_search=[1e-4, 3e-3], restarts=2))
+    runs = result.report["runs"]
+    assert [(r["lr"], r["seed"]) for r in runs] == [(1e-4, 0), (1e-4, 1), (3e-3, 0), (3e-3, 1)]
+    assert result.report["dev"]["accuracy"] == max(r["best_dev"]["accuracy"] for r in runs)
+
+
+def test_full_fine_tuning_reports_without_a_patch(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=10, full=True))
+    assert result.patch is None and result.report["mode"] == "full"
+    assert result.report["trainable_params"] == result.report["total_params"]
+
+
+def test_bad_configs_are_refused():
+    for bad in (
+        {"task": "../x"},
+        {"task": "t", "bias_subset": "keys"},
+        {"task": "t", "lr": -1.0},
+        {"task": "t", "epochs": 0},
+    ):
+        with pytest.raises(Exception):  # noqa: B017 - InvalidTaskNameError or JobError, each with a message
+            TrainConfig.from_dict(bad)
+    with pytest.raises(JobError, match="unknown fields"):
+        TrainConfig.from_dict({"task": "t", "learning_rate": 1e-3})
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "good", "label": "positive"}\n{"text": "bad"\n', ":2: not valid JSON"),
+        ('{"text": "good", "label": "positive"}\n{"text": "bad"}\n', ':2: missing "label"'),
+        ('{"text": "", "label": "x"}\n', ':1: missing or empty "text"'),
+        ('{"tokens": ["a", "b"], "tags": ["X"]}\n', ':1: "tokens" has 2 items but "tags" has 1'),
+        ("[1, 2]\n", ":1: expected a JSON object"),
+        ('{"text": "a", "label": "x"}\n{"text": "b", "text_pair": "c", "label": "y"}\n', "all pairs or none"),
+        ('{"text": "a", "label": "x"}\n{"text": "b", "label": "x"}\n', "at least 2 distinct labels"),
+    ],
+)
+def test_malformed_data_names_file_line_and_problem(tmp_path, content, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError) as exc:
+        load_dataset(f)
+    assert str(f) in str(exc.value) and message in str(exc.value)
+
+
+def test_readers_csv_unicode_separators_and_inference(tmp_path):
+    f = tmp_path / "d.csv"
+    f.write_text('text,text_pair,label\n"a, quoted",b,1.5\nc,d,2\n')
+    ds = load_dataset(f)
+    assert ds.kind == "regression" and ds.is_pair and [e.label for e in ds.examples] == [1.5, 2.0]
+    j = tmp_path / "u.jsonl"
+    j.write_text(json.dumps({"text": "line\u2028separator", "label": 1}) + "\n" + json.dumps({"text": "x", "label": 0}))
+    ds = load_dataset(j)
+    assert ds.kind == "classification" and ds.labels == ["0", "1"] and len(ds) == 2
+    train, dev = split_dev(load_dataset(write_jsonl(tmp_path / "s.jsonl", synthetic_rows("classification", 50))))
+    assert (len(train), len(dev)) == (45, 5)
+    with pytest.raises(DataError, match="not among the task's labels"):
+        load_dataset(f, kind="classification", labels=["x"])
+
+
+def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
+    from patches.cli import main
+
+    train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 120, seed=1))
+    test = write_jsonl(tmp_path / "test.jsonl", synthetic_rows("classification", 40, seed=3))
+    out, report = tmp_path / "sent.safetensors", tmp_path / "report.json"
+    rc = main(
+        [
+            "train",
+            "--task",
+            "sent",
+            "--train",
+            str(train),
+            "--test",
+            str(test),
+            "--model",
+            str(tiny_bert_dir),
+            "--min-steps",
+            "200",
+            "--epochs",
+            "1",
+            "--lr",
+            "1e-2",
+            "--pooling",
+            "mean",
+            "--out",
+            str(out),
+            "--report",
+            str(report),
+            "--device",
+            "cpu",
+            "--eval-every",
+            "20",
+        ]
+    )
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["patch"]["file"] == str(out) and out.is_file()
+    full = json.loads(report.read_text())
+    assert full["test"] == summary["test"] and full["history"] and "bias_movement" in full
+    assert main(["eval", "--patch", str(out), "--data", str(test), "--model", str(tiny_bert_dir)]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"] == summary["test"]
+    reg = f"disk://{tmp_path}/reg"
+    rc = main(
+        [
+            "train",
+            "--task",
+            "sent",
+            "--train",
+            str(train),
+            "--model",
+            str(tiny_bert_dir),
+            "--min-steps",
+            "5",
+            "--registry",
+            reg,
+            "--device",
+            "cpu",
+        ]
+    )
+    assert rc == 0 and json.loads(capsys.readouterr().out)["registered"]["version"] == 1

@@ -1,0 +1,319 @@
+"""``patchserve train`` and ``patchserve eval`` (and, from trainer.worker, ``worker``/``submit``/``jobs``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from patches.cli import add_registry_option
+
+SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "lr", "seed", "steps", "trainable_params", "seconds")
+
+
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    """Options that become a TrainConfig (shared by ``train`` and ``submit``)."""
+    p.add_argument("--task", required=True, help="task name (letters, digits, _ . -)")
+    p.add_argument(
+        "--kind",
+        choices=["classification", "regression", "token-classification"],
+        help="task kind; inferred from the data when omitted",
+    )
+    p.add_argument(
+        "--bias-subset",
+        default="all",
+        choices=["all", "query-intermediate"],
+        help="which biases train: all (BitFit) or b_q + b_m2 (0.04%% of BERT-base); default all",
+    )
+    p.add_argument("--epochs", type=float, default=5.0, help="passes over the training data (default 5)")
+    p.add_argument(
+        "--min-steps",
+        type=int,
+        default=600,
+        help="train at least this many updates, so small data sets train long enough (default 600)",
+    )
+    p.add_argument("--max-steps", type=int, help="stop after this many updates")
+    p.add_argument("--lr", type=float, help="learning rate (default 1e-3 for BitFit, 5e-5 with --full)")
+    p.add_argument(
+        "--lr-search",
+        type=float,
+        nargs="+",
+        metavar="LR",
+        help="try each learning rate and keep the best dev score (BitFit paper: 1e-4 4e-4 7e-4 1e-3)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0); training is deterministic per seed")
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=1,
+        help="train with seeds seed..seed+N-1 and keep the best dev score (default 1)",
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="examples per update (default 16)")
+    p.add_argument("--max-seq-length", type=int, default=128, help="truncate inputs to this many tokens")
+    p.add_argument(
+        "--pooling",
+        choices=["mean", "cls", "pooler"],
+        help="sentence vector for the head; default: the encoder's (mean for the default encoder)",
+    )
+    p.add_argument("--patience", type=int, default=6, help="dev evaluations without improvement before stopping")
+    p.add_argument("--eval-every", type=int, help="updates between dev evaluations (default: 4 per epoch)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="fully fine-tune the same encoder instead (a report for comparison, no patch)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields the options give (JSON-able, so jobs can carry it)."""
+    cfg = {
+        "task": args.task,
+        "bias_subset": args.bias_subset,
+        "epochs": args.epochs,
+        "min_steps": args.min_steps,
+        "max_steps": args.max_steps,
+        "lr": args.lr,
+        "lr_search": args.lr_search or [],
+        "seed": args.seed,
+        "restarts": args.restarts,
+        "batch_size": args.batch_size,
+        "max_seq_length": args.max_seq_length,
+        "pooling": args.pooling,
+        "patience": args.patience,
+        "eval_every": args.eval_every,
+        "full": args.full,
+    }
+    return cfg
+
+
+def _write_patch(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from patches.encoder import load_encoder
+    from patches.jobs import TrainConfig
+    from trainer.data import load_dataset, split_dev
+    from trainer.report import write_json, write_png
+    from trainer.train import train_patch
+
+    if args.full and (args.out or args.registry_given):
+        print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
+        return 2
+    train = load_dataset(args.train, kind=args.kind)
+    if args.dev:
+        dev = load_dataset(args.dev, kind=train.kind, labels=train.labels or None)
+    else:
+        train, dev = split_dev(train, seed=args.seed)
+        print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
+    test = load_dataset(args.test, kind=train.kind, labels=train.labels or None) if args.test else None
+    encoder = load_encoder(args.model)
+    config = TrainConfig.from_dict(config_from_args(args) | {"device": args.device})
+    result = train_patch(encoder, train, dev, config, test=test)
+    report = result.report
+    if args.report:
+        path = Path(args.report)
+        write_json(path, report)
+        if write_png(path.with_suffix(".png"), report):
+            print(f"report: {path} and {path.with_suffix('.png')}", file=sys.stderr)
+    summary = {k: report[k] for k in SUMMARY_KEYS} | {"dev": report["dev"], "test": report.get("test")}
+    if result.patch is not None:
+        if args.registry_given:
+            from patches.store import open_registry
+
+            info = open_registry(args.registry).put(result.patch)
+            summary["registered"] = {"registry": args.registry, "version": info.version, "patch_id": info.patch_id}
+        else:
+            out = Path(args.out or f"{args.task}.safetensors")
+            _write_patch(out, result.patch.data)
+            summary["patch"] = {"file": str(out), "patch_id": result.patch.patch_id, "bytes": len(result.patch.data)}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import copy
+
+    from patches.encoder import load_encoder
+    from patches.format import Patch
+    from patches.model import TaskModel
+    from trainer.data import load_dataset
+    from trainer.train import evaluate, featurize
+
+    patch = Patch.from_bytes(Path(args.patch).read_bytes())
+    encoder = load_encoder(args.model)
+    patch.check_compatible(encoder.spec)
+    meta = patch.meta
+    data = load_dataset(args.data, kind=meta.kind, labels=meta.labels or None)
+    model = TaskModel.from_patch(copy.deepcopy(encoder.model), patch).eval()
+    feats = featurize(encoder.tokenizer, data, meta.labels, min(meta.max_seq_length, encoder.max_positions))
+    metrics = evaluate(model, feats, int(encoder.tokenizer.pad_token_id or 0), batch_size=args.batch_size)
+    print(
+        json.dumps(
+            {"task": meta.task, "patch_id": patch.patch_id, "data": args.data, "rows": len(data), "metrics": metrics},
+            indent=2,
+        )
+    )
+    return 0
+
+
+QUEUE_ENV = "PATCHSERVE_QUEUE"
+
+
+def _queue_url(args: argparse.Namespace) -> str:
+    url = args.queue or os.environ.get(QUEUE_ENV) or ""
+    reg = getattr(args, "registry", None) or os.environ.get("PATCHSERVE_REGISTRY", "")
+    if not url and reg.startswith(("redis://", "rediss://")):
+        url = reg
+    if not url:
+        raise SystemExit(f"error: the job queue needs Redis: pass --queue redis://host:port/db or set {QUEUE_ENV}")
+    return url
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from patches.encoder import load_encoder
+    from patches.jobs import JobQueue
+    from patches.store import open_registry
+    from trainer.worker import Worker
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    queue, registry = JobQueue(_queue_url(args)), open_registry(args.registry)
+    encoder = load_encoder(args.model)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the job in hand, then exit
+    worker = Worker(queue, registry, encoder, name=args.name, lease_s=args.lease_s, max_attempts=args.max_attempts)
+    try:
+        worker.run(stop, max_jobs=args.max_jobs)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from patches.jobs import JobQueue
+
+    files = {}
+    for role in ("train", "dev", "test"):
+        path = getattr(args, role)
+        if path:
+            files[role] = (Path(path).name, Path(path).read_bytes())
+    gate = {"min_dev": args.min_dev, "not_worse": args.not_worse}
+    job = JobQueue(_queue_url(args)).submit(config_from_args(args), files, gate)
+    print(json.dumps({"id": job.id, "task": job.task, "status": job.status}))
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from patches.jobs import JobQueue
+
+    queue = JobQueue(_queue_url(args))
+    if args.id:
+        print(json.dumps(queue.get(args.id).to_dict(), indent=2))
+        return 0
+    jobs = queue.list(args.limit)
+    if args.json:
+        print(json.dumps([j.to_dict() for j in jobs], indent=2))
+    for j in [] if args.json else jobs:
+        step = j.progress.get("step")
+        prog = f"{step}/{j.progress.get('total_steps')}" if step else "-"
+        print(f"{j.id}\t{j.task}\t{j.status}\t{prog}\t{j.error or ''}")
+    return 0
+
+
+class _RegistryGiven(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        namespace.registry = values
+        namespace.registry_given = True
+
+
+def register_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a BitFit patch on a labelled JSONL/CSV file",
+        description="Train only the selected biases of the frozen encoder plus a new head, then write the patch "
+        "to a file (--out, default TASK.safetensors) or register it (--registry). A progress bar shows loss, "
+        "dev metric and ETA on a terminal; the final report is printed as JSON.",
+    )
+    add_training_options(p)
+    p.add_argument("--train", required=True, help="training data (.jsonl or .csv)")
+    p.add_argument("--dev", help="dev data for early stopping and model selection (default: 10%% of --train)")
+    p.add_argument("--test", help="test data, scored once at the end")
+    p.add_argument("--out", help="write the patch here (default TASK.safetensors)")
+    p.add_argument(
+        "--registry",
+        action=_RegistryGiven,
+        default=None,
+        help="register the patch as the task's new version in this registry instead of writing a file",
+    )
+    p.add_argument("--report", help="write the JSON report here, and a PNG (learning curve + bias heatmap) beside it")
+    p.add_argument("--model", default="default", help="base encoder: 'default', a local HF folder or a hub id")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.set_defaults(func=_train, registry_given=False)
+
+    p = sub.add_parser(
+        "eval",
+        help="score a patch on a labelled file",
+        description="Apply a patch to the encoder and print its metrics on a labelled file as JSON.",
+    )
+    p.add_argument("--patch", required=True, help="a .safetensors patch file")
+    p.add_argument("--data", required=True, help="labelled data (.jsonl or .csv) in the task's layout")
+    p.add_argument("--model", default="default", help="the base encoder the patch was trained on")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "worker",
+        help="train queued jobs and register the patches that pass their gate",
+        description="Claim training jobs from the Redis queue one at a time (several workers may "
+        "share a queue), train, evaluate, register the patch if it passes the job's gate, ack. A "
+        "job of a worker that died is retried by another after --lease-s seconds.",
+    )
+    add_registry_option(p)
+    p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV}; default: the registry if Redis)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("PATCHSERVE_MODEL", "default"),
+        help="base encoder, the same as the servers' (env PATCHSERVE_MODEL)",
+    )
+    p.add_argument("--name", help="worker name in the queue (default host-pid)")
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=60.0,
+        help="a job whose worker sent no heartbeat for this long is given to another worker",
+    )
+    p.add_argument("--max-attempts", type=int, default=3, help="give a job up after this many attempts")
+    p.add_argument("--max-jobs", type=int, help="exit after this many jobs (default: run until stopped)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_worker)
+
+    p = sub.add_parser(
+        "submit",
+        help="queue a training job for the workers",
+        description="Upload data files and a training config to the Redis job queue; prints the "
+        "job id. Follow it with `patchserve jobs ID`.",
+    )
+    add_training_options(p)
+    p.add_argument("--train", required=True, help="training data (.jsonl or .csv)")
+    p.add_argument("--dev", help="dev data (default: 10%% of --train)")
+    p.add_argument("--test", help="test data")
+    p.add_argument("--min-dev", type=float, help="register only if the dev score reaches this")
+    p.add_argument("--not-worse", action="store_true", help="register only if not worse than the current version")
+    p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
+    p.set_defaults(func=_submit)
+
+    p = sub.add_parser("jobs", help="show training jobs (all recent ones, or one by id)")
+    p.add_argument("id", nargs="?", help="a job id")
+    p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_jobs)

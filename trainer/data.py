@@ -1,0 +1,196 @@
+"""Labelled data: JSONL and CSV readers for single sentences, sentence pairs, regression and token tagging.
+
+Layouts (one object per JSONL line, or CSV columns of the same names):
+
+* classification / regression: ``{"text", "label"}``, pairs add ``"text_pair"``;
+* token tagging: ``{"tokens": [...], "tags": [...]}`` (JSONL only).
+
+The kind is inferred unless given: tokens+tags -> token-classification; labels that are all numbers with at least
+one non-integer -> regression; anything else -> classification. A malformed row is an error that names the file,
+the line and the problem; no row is ever dropped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from patches.errors import PatchServeError
+
+KINDS = ("classification", "regression", "token-classification")
+_MAX_REPORTED = 10
+
+
+class DataError(PatchServeError):
+    """A data file cannot be used; the message lists the offending lines."""
+
+
+@dataclass
+class Example:
+    text: str = ""
+    text_pair: str | None = None
+    label: str | float | None = None
+    tokens: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Dataset:
+    kind: str
+    examples: list[Example]
+    source: str
+    labels: list[str] = field(default_factory=list)  # classification labels / tag set, in a fixed order
+
+    @property
+    def is_pair(self) -> bool:
+        return any(e.text_pair is not None for e in self.examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def _rows(path: Path, data: bytes) -> list[tuple[int, dict[str, Any]]]:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",")
+        return [(i + 2, dict(row)) for i, row in enumerate(reader)]  # line 1 is the header
+    rows, errors = [], []
+    for i, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may sit inside a string
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append(f"{path}:{i}: not valid JSON ({exc.msg})")
+            continue
+        if not isinstance(obj, dict):
+            errors.append(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
+            continue
+        rows.append((i, obj))
+    _raise(errors)
+    return rows
+
+
+def _raise(errors: list[str]) -> None:
+    if errors:
+        more = f"\n... and {len(errors) - _MAX_REPORTED} more" if len(errors) > _MAX_REPORTED else ""
+        raise DataError("\n".join(errors[:_MAX_REPORTED]) + more)
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int | float):
+        return math.isfinite(v)
+    if isinstance(v, str):
+        try:
+            return math.isfinite(float(v))
+        except ValueError:
+            return False
+    return False
+
+
+def infer_kind(rows: list[tuple[int, dict[str, Any]]]) -> str:
+    if rows and all("tokens" in r for _, r in rows):
+        return "token-classification"
+    labels = [r.get("label") for _, r in rows]
+    if labels and all(_is_number(v) for v in labels) and any(float(v) != int(float(v)) for v in labels):  # type: ignore[arg-type]
+        return "regression"
+    return "classification"
+
+
+def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
+    """Read and validate a data file. ``labels`` fixes the label order (else sorted labels of the file)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
+    rows = _rows(path, data)
+    if not rows:
+        raise DataError(f"{path}: no examples")
+    if kind is not None and kind not in KINDS:
+        raise DataError(f"unknown kind {kind!r}; choose one of {list(KINDS)}")
+    kind = kind or infer_kind(rows)
+    examples, errors = [], []
+    for line, row in rows:
+        try:
+            examples.append(_example(row, kind))
+        except ValueError as exc:
+            errors.append(f"{path}:{line}: {exc}")
+    _raise(errors)
+    pairs = {e.text_pair is not None for e in examples}
+    if len(pairs) > 1:
+        first = next(line for (line, _), e in zip(rows, examples, strict=True) if e.text_pair is None)
+        raise DataError(f"{path}:{first}: some rows have text_pair and some do not; a file is all pairs or none")
+    found = sorted(
+        {t for e in examples for t in e.tags}
+        if kind == "token-classification"
+        else {str(e.label) for e in examples}
+        if kind == "classification"
+        else set()
+    )
+    if labels is not None and kind != "regression":
+        unknown = sorted(set(found) - set(labels))
+        if unknown:
+            raise DataError(f"{path}: labels {unknown[:10]} are not among the task's labels {labels[:20]}")
+        found = list(labels)
+    if kind == "classification" and len(found) < 2:
+        raise DataError(f"{path}: a classification task needs at least 2 distinct labels, found {found}")
+    return Dataset(kind=kind, examples=examples, source=str(path), labels=found)
+
+
+def _example(row: dict[str, Any], kind: str) -> Example:
+    if kind == "token-classification":
+        tokens, tags = row.get("tokens"), row.get("tags")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+            raise ValueError('"tokens" must be a non-empty list of non-empty strings')
+        if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
+            raise ValueError('"tags" must be a list of non-empty strings')
+        if len(tags) != len(tokens):
+            raise ValueError(f'"tokens" has {len(tokens)} items but "tags" has {len(tags)}')
+        return Example(tokens=tokens, tags=tags)
+    text = row.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError('missing or empty "text"')
+    pair = row.get("text_pair")
+    if pair is not None and (not isinstance(pair, str) or not pair.strip()):
+        pair = None if pair == "" else pair
+        if pair is not None:
+            raise ValueError('"text_pair" must be a non-empty string')
+    if "label" not in row or row["label"] in (None, ""):
+        raise ValueError('missing "label"')
+    label = row["label"]
+    if kind == "regression":
+        if not _is_number(label):
+            raise ValueError(f'"label" {label!r} is not a number (this is a regression task)')
+        return Example(text=text, text_pair=pair, label=float(label))
+    if isinstance(label, float) and label.is_integer():
+        label = int(label)
+    if not isinstance(label, str | int) or isinstance(label, bool):
+        raise ValueError(f'"label" must be a string or an integer, got {label!r}')
+    return Example(text=text, text_pair=pair, label=str(label))
+
+
+def split_dev(ds: Dataset, fraction: float = 0.1, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Carve a dev split from ``ds`` (seeded shuffle; at least one row each side)."""
+    if len(ds) < 2:
+        raise DataError(f"{ds.source}: {len(ds)} example(s) cannot be split into train and dev; pass --dev")
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    n_dev = min(len(ds) - 1, max(1, round(fraction * len(ds))))
+    dev = [ds.examples[i] for i in order[:n_dev]]
+    train = [ds.examples[i] for i in order[n_dev:]]
+    return replace(ds, examples=train, source=f"{ds.source} (train part)"), replace(
+        ds, examples=dev, source=f"{ds.source} (dev part carved from train)"
+    )

@@ -1,0 +1,342 @@
+"""``train_patch(encoder, train, dev, config) -> TrainResult``: BitFit training, pure (no Redis, no HTTP).
+
+Follows the few-sample practices of Zhang et al. (ICLR 2021): bias-corrected AdamW, linear warm-up over the first
+10% of steps then linear decay, gradient clipping at 1.0, a minimum number of update steps so small data sets
+train long enough, dev evaluation with early stopping and best-checkpoint restore, optional restarts over seeds
+and an optional learning-rate search, both keeping the best dev score. ``full=True`` fine-tunes every weight of
+the same encoder for comparison and returns a report only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from patches.bitfit import bias_parameters, bias_roles, extract_patch, target_names
+from patches.encoder import Encoder, resolve_device
+from patches.errors import EncoderError
+from patches.format import BaseRef, Patch, PatchMeta
+from patches.jobs import TrainConfig
+from patches.model import TaskModel
+from trainer.data import Dataset
+from trainer.metrics import PRIMARY, compute
+
+BITFIT_LR = 1e-3
+FULL_LR = 5e-5
+IGNORE = -100
+
+
+@dataclass
+class Features:
+    input_ids: list[int]
+    token_type_ids: list[int]
+    label: int | float | list[int]
+
+
+@dataclass
+class TrainResult:
+    patch: Patch | None  # None for --full
+    report: dict[str, Any]
+    model: TaskModel  # the best model (for evaluation and tests)
+
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+def featurize(tokenizer: Any, ds: Dataset, labels: list[str], max_len: int) -> list[Features]:
+    """Tokenise a data set once. Tagging: the first sub-word of each word carries its tag, the rest are ignored."""
+    index = {label: i for i, label in enumerate(labels)}
+    if ds.kind == "token-classification":
+        enc = tokenizer([e.tokens for e in ds.examples], is_split_into_words=True, truncation=True, max_length=max_len)
+        feats = []
+        for i, e in enumerate(ds.examples):
+            tags, seen = [], set()
+            for w in enc.word_ids(i):
+                tags.append(IGNORE if w is None or w in seen else index[e.tags[w]])
+                if w is not None:
+                    seen.add(w)
+            types = enc["token_type_ids"][i] if "token_type_ids" in enc else [0] * len(tags)
+            feats.append(Features(enc["input_ids"][i], types, tags))
+        return feats
+    pairs = [e.text_pair for e in ds.examples] if ds.is_pair else None
+    enc = tokenizer([e.text for e in ds.examples], pairs, truncation=True, max_length=max_len)
+    out = []
+    for i, e in enumerate(ds.examples):
+        label: int | float = float(e.label) if ds.kind == "regression" else index[str(e.label)]  # type: ignore[arg-type]
+        types = enc["token_type_ids"][i] if "token_type_ids" in enc else [0] * len(enc["input_ids"][i])
+        out.append(Features(enc["input_ids"][i], types, label))
+    return out
+
+
+def collate(feats: list[Features], pad_id: int, kind: str, device: torch.device) -> dict[str, torch.Tensor]:
+    n, t = len(feats), max(len(f.input_ids) for f in feats)
+    ids = torch.full((n, t), pad_id, dtype=torch.long)
+    types = torch.zeros((n, t), dtype=torch.long)
+    mask = torch.zeros((n, t), dtype=torch.long)
+    for i, f in enumerate(feats):
+        k = len(f.input_ids)
+        ids[i, :k], types[i, :k], mask[i, :k] = torch.tensor(f.input_ids), torch.tensor(f.token_type_ids), 1
+    if kind == "token-classification":
+        labels = torch.full((n, t), IGNORE, dtype=torch.long)
+        for i, f in enumerate(feats):
+            labels[i, : len(f.label)] = torch.tensor(f.label)  # type: ignore[arg-type]
+    elif kind == "regression":
+        labels = torch.tensor([float(f.label) for f in feats])  # type: ignore[arg-type]
+    else:
+        labels = torch.tensor([int(f.label) for f in feats])  # type: ignore[arg-type]
+    return {
+        "input_ids": ids.to(device),
+        "token_type_ids": types.to(device),
+        "attention_mask": mask.to(device),
+        "labels": labels.to(device),
+    }
+
+
+def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if kind == "regression":
+        return nn.functional.mse_loss(logits.squeeze(-1), labels)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+
+@torch.no_grad()
+def evaluate(model: TaskModel, feats: list[Features], pad_id: int, batch_size: int = 64) -> dict[str, float]:
+    """Metrics of ``model`` on featurised data (eval mode; restores the previous mode)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    preds, golds = [], []
+    for i in range(0, len(feats), batch_size):
+        b = collate(feats[i : i + batch_size], pad_id, model.kind, device)
+        logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float()
+        if model.kind == "regression":
+            preds.append(logits.squeeze(-1).cpu().numpy())
+            golds.append(b["labels"].cpu().numpy())
+        elif model.kind == "token-classification":
+            keep = b["labels"] != IGNORE
+            preds.append(logits.argmax(-1)[keep].cpu().numpy())
+            golds.append(b["labels"][keep].cpu().numpy())
+        else:
+            preds.append(logits.argmax(-1).cpu().numpy())
+            golds.append(b["labels"].cpu().numpy())
+    model.train(was_training)
+    return compute(model.kind, np.concatenate(preds), np.concatenate(golds))
+
+
+def _schedule(total: int, warmup: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return factor
+
+
+def _trainable(model: TaskModel, config: TrainConfig) -> list[nn.Parameter]:
+    model.requires_grad_(False)
+    if config.full:
+        model.requires_grad_(True)
+        return [p for p in model.parameters()]
+    params = bias_parameters(model.encoder)
+    chosen = [params[n] for n in target_names(model.encoder, config.bias_subset)]
+    chosen += list(model.head.parameters())
+    for p in chosen:
+        p.requires_grad_(True)
+    return chosen
+
+
+def _run(
+    encoder: Encoder,
+    train: list[Features],
+    dev: list[Features],
+    config: TrainConfig,
+    kind: str,
+    n_out: int,
+    pooling: str,
+    lr: float,
+    seed: int,
+    on_progress: ProgressFn | None,
+) -> dict[str, Any]:
+    """One training run (one seed, one learning rate); returns the best model and its history."""
+    torch.manual_seed(seed)
+    device = resolve_device(config.device)
+    model = TaskModel(copy.deepcopy(encoder.model), nn.Linear(encoder.hidden_size, n_out), kind, pooling).to(device)
+    params = _trainable(model, config)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
+    steps_per_epoch = math.ceil(len(train) / config.batch_size)
+    total = max(config.min_steps, math.ceil(config.epochs * steps_per_epoch))
+    total = min(total, config.max_steps) if config.max_steps else total
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
+    eval_every = config.eval_every or max(1, min(1000, steps_per_epoch // 4))
+    pad_id, primary = int(encoder.tokenizer.pad_token_id or 0), PRIMARY[kind]
+    rng = random.Random(seed)
+    best: dict[str, Any] = {"score": -math.inf, "step": 0, "metrics": {}, "state": None}
+    history: list[dict[str, float]] = []
+    order: list[int] = []
+    bad_evals, step, running = 0, 0, 0.0
+    bar = tqdm(
+        total=total,
+        desc=f"{config.task} seed={seed} lr={lr:g}",
+        disable=not sys.stderr.isatty(),
+        leave=False,
+        dynamic_ncols=True,
+    )
+    model.train()
+    t0 = time.perf_counter()
+    while step < total:
+        if not order:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        idx, order = order[: config.batch_size], order[config.batch_size :]
+        batch = collate([train[i] for i in idx], pad_id, kind, device)
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        loss = loss_fn(kind, logits, batch["labels"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        value = loss.item()
+        running = 0.9 * running + 0.1 * value if step > 1 else value
+        bar.update(1)
+        if step % eval_every == 0 or step == total:
+            metrics = evaluate(model, dev, pad_id)
+            history.append({"step": step, "loss": running, f"dev_{primary}": metrics[primary]})
+            bar.set_postfix(loss=f"{running:.4f}", dev=f"{metrics[primary]:.4f}")
+            if metrics[primary] > best["score"]:
+                best = {
+                    "score": metrics[primary],
+                    "step": step,
+                    "metrics": metrics,
+                    "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                }
+                bad_evals = 0
+            else:
+                bad_evals += 1
+            if on_progress is not None:
+                on_progress(
+                    {"step": step, "total_steps": total, "loss": running, "dev": metrics, "seed": seed, "lr": lr}
+                )
+            if bad_evals >= config.patience:
+                break
+    bar.close()
+    model.load_state_dict(best["state"])  # best-checkpoint restore
+    model.eval()
+    return {
+        "model": model,
+        "seed": seed,
+        "lr": lr,
+        "best_dev": best["metrics"],
+        "best_step": best["step"],
+        "steps": step,
+        "planned_steps": total,
+        "seconds": time.perf_counter() - t0,
+        "history": history,
+        "trainable_params": sum(p.numel() for p in params),
+    }
+
+
+def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, float]]:
+    """mean |b_trained - b_base| per bias role and layer (the BitFit paper's Figure 1)."""
+    try:
+        roles = bias_roles(base)
+    except EncoderError:
+        return {}
+    now, then = bias_parameters(trained), bias_parameters(base)
+    out: dict[str, dict[str, float]] = {}
+    for name, role in roles.items():
+        delta = (now[name].detach().cpu().float() - then[name].detach().cpu().float()).abs().mean()
+        out.setdefault(role.role, {})["-" if role.layer is None else str(role.layer)] = float(delta)
+    return out
+
+
+def train_patch(
+    encoder: Encoder,
+    train: Dataset,
+    dev: Dataset,
+    config: TrainConfig,
+    *,
+    test: Dataset | None = None,
+    on_progress: ProgressFn | None = None,
+) -> TrainResult:
+    """Train a BitFit patch (or, with ``config.full``, fully fine-tune for comparison) on ``train``.
+
+    The encoder passed in is never modified: every run trains a copy.
+    """
+    kind, labels = train.kind, train.labels
+    if dev.kind != kind or (test is not None and test.kind != kind):
+        raise ValueError(f"train is {kind} but dev/test are {dev.kind}/{test.kind if test else '-'}; use one kind")
+    pooling = config.pooling or encoder.default_pooling
+    if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
+        raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
+    n_out = 1 if kind == "regression" else len(labels)
+    max_len = min(config.max_seq_length, encoder.max_positions)
+    tok = encoder.tokenizer
+    train_f, dev_f = featurize(tok, train, labels, max_len), featurize(tok, dev, labels, max_len)
+    lrs = config.lr_search or [config.lr or (FULL_LR if config.full else BITFIT_LR)]
+    t0 = time.perf_counter()
+    runs = [
+        _run(encoder, train_f, dev_f, config, kind, n_out, pooling, lr, config.seed + r, on_progress)
+        for lr in lrs
+        for r in range(config.restarts)
+    ]
+    primary = PRIMARY[kind]
+    best = max(runs, key=lambda r: r["best_dev"][primary])
+    model: TaskModel = best["model"]
+    report: dict[str, Any] = {
+        "task": config.task,
+        "kind": kind,
+        "mode": "full" if config.full else "bitfit",
+        "bias_subset": None if config.full else config.bias_subset,
+        "pooling": pooling,
+        "labels": labels,
+        "encoder": {"name": encoder.name, "fingerprint": encoder.fingerprint},
+        "train_rows": len(train),
+        "dev_rows": len(dev),
+        "test_rows": len(test) if test else 0,
+        "lr": best["lr"],
+        "seed": best["seed"],
+        "steps": best["steps"],
+        "best_step": best["best_step"],
+        "trainable_params": best["trainable_params"],
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "dev": best["best_dev"],
+        "seconds": time.perf_counter() - t0,
+        "history": best["history"],
+        "runs": [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs],
+        "config": asdict(config),
+    }
+    if test is not None:
+        report["test"] = evaluate(model, featurize(tok, test, labels, max_len), int(tok.pad_token_id or 0))
+    report["bias_movement"] = bias_movement(model.encoder, encoder.model)
+    for r in runs:
+        if r is not best:
+            del r["model"]
+    if config.full:
+        return TrainResult(None, report, model)
+    metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}
+    metrics.update({f"test_{k}": v for k, v in report.get("test", {}).items()})
+    meta = PatchMeta(
+        task=config.task,
+        kind=kind,
+        labels=labels if kind != "regression" else [],
+        base=BaseRef(encoder.name, encoder.fingerprint),
+        bias_subset=config.bias_subset,
+        pooling=pooling,
+        max_seq_length=max_len,
+        metrics=metrics,
+        training={k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params")},
+    )
+    patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
+    return TrainResult(patch, report, model)

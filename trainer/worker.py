@@ -1,0 +1,208 @@
+"""The trainer worker: claims jobs from the queue, trains, gates, registers, acks.
+
+The encoder is loaded once at start-up and handed to every job. Several workers (on several machines) share one
+queue; each job goes to one of them. A worker killed mid-job leaves its job pending; another worker claims it once
+the lease has run out and retries it. A job is registered at most once (see ``patches.jobs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from patches.encoder import Encoder
+from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
+from patches.format import Patch
+from patches.jobs import TERMINAL, Gate, Job, JobQueue, TrainConfig
+from patches.store import Registry
+from trainer.data import DataError, load_dataset, split_dev
+from trainer.metrics import PRIMARY
+from trainer.train import train_patch
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLostError(RuntimeError):
+    """Another worker took over this job (this one was presumed dead)."""
+
+
+class Worker:
+    def __init__(
+        self,
+        queue: JobQueue,
+        registry: Registry,
+        encoder: Encoder,
+        *,
+        name: str | None = None,
+        lease_s: float = 60.0,
+        block_s: float = 2.0,
+        max_attempts: int = 3,
+    ) -> None:
+        self.queue = queue
+        self.registry = registry
+        self.encoder = encoder
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.lease_s = lease_s
+        self.block_s = block_s
+        self.max_attempts = max_attempts
+
+    def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
+        """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled."""
+        stop = stop or threading.Event()
+        self.queue.ensure_group()
+        done = 0
+        log.info("worker %s: waiting for jobs on %s", self.name, self.queue.url)
+        while not stop.is_set() and (max_jobs is None or done < max_jobs):
+            try:
+                claimed = self.queue.claim(self.name, lease_s=self.lease_s, block_s=self.block_s)
+            except RegistryUnavailableError as exc:
+                log.warning("queue unreachable (%s); retrying", exc)
+                stop.wait(2.0)
+                continue
+            if claimed is not None:
+                self.process(*claimed)
+                done += 1
+        return done
+
+    # --- one job -------------------------------------------------------------------------------------------
+    def process(self, msg_id: str, job_id: str) -> None:
+        try:
+            job = self.queue.get(job_id)
+        except PatchServeError:
+            self.queue.ack(msg_id)  # its record expired: nothing to retry
+            return
+        if job.status in TERMINAL:
+            self.queue.ack(msg_id)
+            return
+        attempts = job.attempts + 1
+        if attempts > self.max_attempts:
+            self.queue.finish(
+                job_id,
+                "failed",
+                error=f"gave up after {self.max_attempts} attempts: the worker "
+                f"stopped during each (last error: {job.error or 'none recorded'})",
+            )
+            self.queue.ack(msg_id)
+            return
+        self.queue.update(job_id, status="running", worker=self.name, attempts=attempts, started_at=time.time())
+        log.info("job %s (%s): attempt %d on %s", job_id, job.task, attempts, self.name)
+        try:
+            status, values = self._execute(job, msg_id)
+        except LeaseLostError:
+            log.warning("job %s was taken over by another worker; dropping it here", job_id)
+            return
+        except (RegistryUnavailableError, ConnectionError) as exc:
+            # transient: leave the message pending, so this or another worker retries after the lease
+            log.warning("job %s: %s; it will be retried", job_id, exc)
+            self.queue.update(job_id, status="queued", error=str(exc))
+            return
+        except Exception as exc:  # a bug or bad input: fail the job with the reason, never the worker
+            log.exception("job %s failed", job_id)
+            status, values = (
+                "failed",
+                {"error": f"{type(exc).__name__}: {exc}", "result": {"traceback": traceback.format_exc(limit=5)}},
+            )
+        self.queue.finish(job_id, status, **values)
+        self.queue.ack(msg_id)
+        log.info("job %s: %s", job_id, status)
+
+    def _execute(self, job: Job, msg_id: str) -> tuple[str, dict[str, Any]]:
+        stashed = self.queue.stashed_patch(job.id)
+        if stashed is not None:  # an earlier attempt trained it and may have died while registering
+            patch = Patch.from_bytes(stashed)
+            return "succeeded", {"result": job.result | self._register_once(patch)}
+        config = TrainConfig.from_dict(job.config)
+        try:
+            train, dev, test = self._datasets(job, config)
+        except DataError as exc:
+            return "failed", {"error": f"bad data: {exc}"}
+        last_beat = [0.0]
+
+        def progress(p: dict[str, Any]) -> None:
+            now = time.monotonic()
+            if now - last_beat[0] >= 1.0 or p["step"] == p["total_steps"]:
+                last_beat[0] = now
+                if not self.queue.heartbeat(self.name, msg_id):
+                    raise LeaseLostError(job.id)
+                self.queue.update(job.id, progress=p)
+
+        result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress)
+        report, primary = result.report, PRIMARY[result.report["kind"]]
+        summary = {
+            "dev": report["dev"],
+            "test": report.get("test"),
+            "steps": report["steps"],
+            "lr": report["lr"],
+            "seed": report["seed"],
+            "seconds": report["seconds"],
+            "trainable_params": report["trainable_params"],
+        }
+        if result.patch is None:  # --full: a report only
+            return "succeeded", {"result": summary}
+        verdict = self._gate(Gate(**job.gate), job.task, report["dev"][primary], primary)
+        if verdict is not None:
+            return "rejected", {"result": summary, "error": verdict}
+        if not self.queue.heartbeat(self.name, msg_id):
+            raise LeaseLostError(job.id)
+        self.queue.stash_patch(job.id, result.patch.data, result.patch.patch_id)
+        return "succeeded", {"result": summary | self._register_once(result.patch)}
+
+    def _datasets(self, job: Job, config: TrainConfig) -> tuple[Any, Any, Any]:
+        with tempfile.TemporaryDirectory(prefix=f"patchserve-job-{job.id}-") as tmp:
+            paths = {}
+            for role, name in job.files.items():
+                data = self.queue.file(job.id, role)
+                if data is None:
+                    raise DataError(f"the {role} file of job {job.id} is gone from the queue")
+                paths[role] = Path(tmp) / f"{role}{Path(name).suffix}"
+                paths[role].write_bytes(data)
+            try:
+                train = load_dataset(paths["train"], kind=config.kind)
+                if "dev" in paths:
+                    dev = load_dataset(paths["dev"], kind=train.kind, labels=train.labels or None)
+                else:
+                    train, dev = split_dev(train, seed=config.seed)
+                test = (
+                    load_dataset(paths["test"], kind=train.kind, labels=train.labels or None)
+                    if "test" in paths
+                    else None
+                )
+            except DataError as exc:  # name the uploaded file, not the temporary copy
+                msg = str(exc)
+                for role, path in paths.items():
+                    msg = msg.replace(str(path), f"{role} file {job.files[role]!r}")
+                raise DataError(msg) from exc
+        return train, dev, test
+
+    def _gate(self, gate: Gate, task: str, score: float, primary: str) -> str | None:
+        if gate.min_dev is not None and score < gate.min_dev:
+            return f"dev {primary} {score:.4f} is below the gate's minimum {gate.min_dev}; the patch was not registered"
+        if gate.not_worse:
+            try:
+                _, current = self.registry.get(task)
+            except TaskNotFoundError:
+                return None
+            previous = current.meta.metrics.get(f"dev_{primary}")
+            if previous is not None and score < previous:
+                return (
+                    f"dev {primary} {score:.4f} is worse than the current version's {previous:.4f}; "
+                    "the patch was not registered"
+                )
+        return None
+
+    def _register_once(self, patch: Patch) -> dict[str, Any]:
+        try:
+            for v in self.registry.versions(patch.meta.task):
+                if v.patch_id == patch.patch_id:
+                    return {"version": v.version, "patch_id": v.patch_id}
+        except TaskNotFoundError:
+            pass
+        info = self.registry.put(patch)
+        return {"version": info.version, "patch_id": info.patch_id}
