@@ -1,0 +1,126 @@
+"""The trainer's quality bar: BitFit (all biases), BitFit (query + intermediate) and full fine-tuning of the same
+encoder, with default settings, on the shared evaluation data; mean +- std over seeds and time per run.
+
+    python bench/quality.py                                   # every set, 3 seeds, all three modes
+    python bench/quality.py --sets trec --seeds 0 --modes bitfit full --device cuda
+
+Each finished run is appended to docs/quality-runs.jsonl (so an interrupted benchmark resumes where it stopped);
+docs/quality.md is rewritten from all recorded runs after each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from patches.encoder import load_encoder
+from patches.jobs import TrainConfig
+from trainer.data import load_dataset
+from trainer.metrics import PRIMARY
+from trainer.train import train_patch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+SETS = ("rotten_tomatoes", "trec", "stsb", "banking77")
+MODES = {"bitfit": {"bias_subset": "all"}, "bitfit-qi": {"bias_subset": "query-intermediate"}, "full": {"full": True}}
+
+
+def load_runs(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
+
+
+def _diff(mean: dict[str, float | None], a: str, b: str) -> str:
+    x, y = mean[a], mean[b]
+    return f"{x - y:+.1f}" if x is not None and y is not None else "-"
+
+
+def write_table(runs: list[dict], path: Path, command: str) -> None:
+    lines = [
+        "# Trainer quality: BitFit vs full fine-tuning of the same encoder",
+        "",
+        "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test metric (accuracy, "
+        "Spearman x100 for STS-B) as mean ± std over seeds; minutes per run on the machine noted.",
+        "",
+        f"Reproduce: `{command}`",
+        "",
+        "| data set | metric | BitFit (all) | BitFit (q+m2) | full FT | BitFit - full | q+m2 - full | runs | min/run "
+        "(bitfit / full) | device |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for ds in SETS:
+        mine = [r for r in runs if r["set"] == ds]
+        if not mine:
+            continue
+        cell: dict[str, str] = {}
+        mean: dict[str, float | None] = {}
+        for mode in MODES:
+            vals = [100 * r["test"] for r in mine if r["mode"] == mode]
+            mean[mode] = statistics.mean(vals) if vals else None
+            std = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            cell[mode] = f"{mean[mode]:.1f} ± {std:.1f} (n={len(vals)})" if vals else "-"
+
+        mins = {m: statistics.mean([r["seconds"] / 60 for r in mine if r["mode"] == m] or [0]) for m in MODES}
+        lines.append(
+            f"| {ds} | {mine[0]['metric']} | {cell['bitfit']} | {cell['bitfit-qi']} | {cell['full']} | "
+            f"{_diff(mean, 'bitfit', 'full')} | {_diff(mean, 'bitfit-qi', 'full')} | {len(mine)} | "
+            f"{mins['bitfit']:.1f} / {mins['full']:.1f} | {mine[0]['device']} |"
+        )
+    lines += ["", "Target: BitFit ≥ full - 1.0 point; query+intermediate ≥ full - 3 points.", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=str(ROOT / "docs"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs_file, table = out / "quality-runs.jsonl", out / "quality.md"
+    command = "python bench/quality.py " + " ".join(sys.argv[1:])
+    encoder = load_encoder("default")
+    for ds in args.sets:
+        train = load_dataset(DATA / ds / "train.jsonl")
+        dev = load_dataset(DATA / ds / "dev.jsonl", kind=train.kind, labels=train.labels or None)
+        test = load_dataset(DATA / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
+        for mode in args.modes:
+            for seed in args.seeds:
+                done = {(r["set"], r["mode"], r["seed"]) for r in load_runs(runs_file)}
+                if (ds, mode, seed) in done:
+                    continue
+                config = TrainConfig(task=ds, seed=seed, device=args.device, **MODES[mode])  # type: ignore[arg-type]
+                t0 = time.perf_counter()
+                result = train_patch(encoder, train, dev, config, test=test)
+                metric = PRIMARY[train.kind]
+                rec = {
+                    "set": ds,
+                    "mode": mode,
+                    "seed": seed,
+                    "metric": metric,
+                    "test": result.report["test"][metric],
+                    "dev": result.report["dev"][metric],
+                    "steps": result.report["steps"],
+                    "lr": result.report["lr"],
+                    "seconds": time.perf_counter() - t0,
+                    "trainable_params": result.report["trainable_params"],
+                    "device": str(next(result.model.parameters()).device),
+                }
+                with runs_file.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(json.dumps(rec), flush=True)
+                write_table(load_runs(runs_file), table, command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The job queue and trainer worker against a real redis-server: lifecycle, gates, bad data, a killed worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+
+from patches.jobs import JobError, JobQueue
+from patches.store.redis import RedisRegistry
+from server.app import create_app
+from server.settings import ServerSettings
+from tests.helpers import synthetic_rows
+from trainer.worker import Worker
+
+CONFIG = {
+    "task": "sent",
+    "min_steps": 300,
+    "epochs": 1,
+    "eval_every": 50,
+    "lr": 1e-2,
+    "pooling": "mean",
+    "device": "cpu",
+    "patience": 100,
+}
+
+
+def _jsonl(rows) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@pytest.fixture
+def redis_ns(redis_url):
+    """A registry and a queue under a fresh key prefix on the shared throwaway Redis."""
+    url = f"{redis_url}?prefix=w-{uuid.uuid4().hex[:8]}:"
+    reg, queue = RedisRegistry(url), JobQueue(url)
+    yield url, reg, queue
+    reg.close()
+    queue.close()
+
+
+def _files(n_train=200, n_dev=50, bad=None):
+    train = bad if bad is not None else _jsonl(synthetic_rows("classification", n_train, seed=1))
+    return {"train": ("train.jsonl", train), "dev": ("dev.jsonl", _jsonl(synthetic_rows("classification", n_dev, 2)))}
+
+
+def _wait(pred, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_job_lifecycle_registers_a_patch(redis_ns, tiny_encoder):
+    _url, reg, queue = redis_ns
+    job = queue.submit(CONFIG, _files())
+    assert queue.get(job.id).status == "queued" and queue.list()[0].id == job.id
+    assert Worker(queue, reg, tiny_encoder, name="w1", block_s=0.2).run(max_jobs=1) == 1
+    done = queue.get(job.id)
+    assert done.status == "succeeded", done.error
+    assert done.attempts == 1 and done.worker == "w1"
+    assert done.result["version"] == 1 and done.result["dev"]["accuracy"] >= 0.9
+    assert done.progress["step"] == done.progress["total_steps"] == 300
+    info, patch = reg.get("sent")
+    assert (
+        info.patch_id == done.result["patch_id"]
+        and patch.meta.metrics["dev_accuracy"] == done.result["dev"]["accuracy"]
+    )
+    assert queue.file(job.id, "train") is None  # data dropped once the job is finished
+
+
+def test_gates_reject_without_registering(redis_ns, tiny_encoder):
+    _url, reg, queue = redis_ns
+    worker = Worker(queue, reg, tiny_encoder, block_s=0.2)
+    job = queue.submit(CONFIG, _files(), gate={"min_dev": 1.01})
+    worker.run(max_jobs=1)
+    done = queue.get(job.id)
+    assert done.status == "rejected" and "below the gate's minimum 1.01" in done.error
+    assert reg.tasks() == []
+    queue.submit(CONFIG, _files())
+    worker.run(max_jobs=1)
+    worse = queue.submit(CONFIG | {"min_steps": 2, "eval_every": 1}, _files(), gate={"not_worse": True})
+    worker.run(max_jobs=1)
+    done = queue.get(worse.id)
+    assert done.status == "rejected" and "worse than the current version" in done.error
+    assert [v.version for v in reg.versions("sent")] == [1]
+
+
+def test_bad_data_fails_the_job_with_a_useful_message(redis_ns, tiny_encoder):
+    _url, reg, queue = redis_ns
+    bad = b'{"text": "good", "label": "positive"}\n{"text": "bad movie"}\n'
+    job = queue.submit(CONFIG, _files(bad=bad))
+    Worker(queue, reg, tiny_encoder, block_s=0.2).run(max_jobs=1)
+    done = queue.get(job.id)
+    assert done.status == "failed"
+    assert "train file 'train.jsonl':2: missing \"label\"" in done.error, done.error
+    assert reg.tasks() == []
+
+
+def test_invalid_submissions_are_refused(redis_ns):
+    _, _, queue = redis_ns
+    with pytest.raises(JobError, match="unknown fields"):
+        queue.submit({"task": "t", "epoch": 3}, _files())
+    with pytest.raises(JobError, match="needs a 'train'"):
+        queue.submit(CONFIG, {"dev": ("d.jsonl", b"{}")})
+    with pytest.raises(JobError, match=r"\.jsonl, \.csv"):
+        queue.submit(CONFIG, {"train": ("train.parquet", b"x")})
+    assert queue.list() == []
+
+
+def test_a_retry_never_registers_twice(redis_ns, tiny_encoder):
+    """An attempt that registered and then died: the retry finds its patch and only records the result."""
+    _url, reg, queue = redis_ns
+    job = queue.submit(CONFIG, _files())
+    worker = Worker(queue, reg, tiny_encoder, name="w", block_s=0.2)
+    worker.run(max_jobs=1)
+    first = queue.get(job.id)
+    _, patch = reg.get("sent")
+    # replay the crash: the job is not finished yet, its patch is stashed and already registered
+    queue.update(job.id, status="running")
+    queue.stash_patch(job.id, patch.data, patch.patch_id)
+    msg = queue.r.xadd(queue.keys.job_stream, {"job": job.id})
+    queue.r.xreadgroup("patchserve-workers", "w", {queue.keys.job_stream: ">"}, count=1)
+    worker.process(msg.decode(), job.id)
+    assert queue.get(job.id).status == "succeeded"
+    assert [v.patch_id for v in reg.versions("sent")] == [first.result["patch_id"]]
+
+
+def test_a_killed_workers_job_is_reclaimed_and_registered_once(redis_ns, tiny_bert_dir, tiny_encoder, tmp_path):
+    url, reg, queue = redis_ns
+    exe = shutil.which("patchserve")
+    assert exe, "patchserve console script not installed"
+    job = queue.submit(CONFIG | {"min_steps": 4000, "eval_every": 100}, _files())
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [exe, "worker", "--registry", url, "--model", str(tiny_bert_dir), "--name", "doomed", "--lease-s", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _wait(lambda: queue.get(job.id).progress.get("step", 0) >= 100, what="the doomed worker to train")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert queue.get(job.id).status == "running" and reg.tasks() == []
+    queue.update(job.id, config=CONFIG)  # the rescuer may train a shorter run: what matters is who registers
+    rescuer = Worker(queue, reg, tiny_encoder, name="rescuer", lease_s=1.0, block_s=0.3)
+    stop = threading.Event()
+    t = threading.Thread(target=rescuer.run, kwargs={"stop": stop, "max_jobs": 1})
+    t.start()
+    try:
+        _wait(lambda: queue.get(job.id).status in ("succeeded", "failed"), what="the rescuer to finish")
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    done = queue.get(job.id)
+    assert done.status == "succeeded", done.error
+    assert done.attempts == 2 and done.worker == "rescuer"
+    assert [v.version for v in reg.versions("sent")] == [1]
+    pending = queue.r.xpending(queue.keys.job_stream, "patchserve-workers")
+    assert pending["pending"] == 0
+
+
+def test_job_api_end_to_end(redis_ns, tiny_bert_dir, tiny_encoder):
+    url, reg, queue = redis_ns
+    settings = ServerSettings(
+        registry=url, model=str(tiny_bert_dir), device="cpu", slots=4, max_wait_ms=1, admin_token="s3cret"
+    )
+    auth = {"Authorization": "Bearer s3cret"}
+    with TestClient(create_app(settings)) as client:
+        files = {
+            "train": ("train.jsonl", _jsonl(synthetic_rows("classification", 200, 1))),
+            "dev": ("dev.jsonl", _jsonl(synthetic_rows("classification", 50, 2))),
+        }
+        r = client.post("/jobs", files=files, data={"config": json.dumps(CONFIG | {"gate": {"min_dev": 0.8}})})
+        assert r.status_code == 401
+        r = client.post("/jobs", files=files, data={"config": json.dumps(CONFIG)}, headers=auth)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        assert client.get(f"/jobs/{job_id}").json()["status"] == "queued"
+        bad = client.post("/jobs", files=files, data={"config": json.dumps({"task": "x", "lr": "fast"})}, headers=auth)
+        assert bad.status_code == 422
+        assert client.post("/jobs", files=files, data={"config": "{not json"}, headers=auth).status_code == 422
+        Worker(queue, reg, tiny_encoder, block_s=0.2).run(max_jobs=1)
+        job = client.get(f"/jobs/{job_id}").json()
+        assert job["status"] == "succeeded" and job["result"]["version"] == 1
+        assert [j["id"] for j in client.get("/jobs").json()] == [job_id]
+        pred = client.post("/tasks/sent/predict", json={"inputs": ["the good movie", "a bad film"]}).json()
+        assert pred["patch_id"] == job["result"]["patch_id"]
+        assert [p["label"] for p in pred["predictions"]] == ["positive", "negative"]
+        assert client.get("/jobs/nope").status_code == 404
+
+
+def test_job_api_without_redis_says_what_to_set(tmp_path, tiny_bert_dir):
+    settings = ServerSettings(registry=f"disk://{tmp_path}/reg", model=str(tiny_bert_dir), device="cpu", slots=2)
+    with TestClient(create_app(settings)) as client:
+        r = client.get("/jobs")
+        assert r.status_code == 503 and "PATCHSERVE_QUEUE" in r.json()["detail"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
