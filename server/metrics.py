@@ -46,12 +46,19 @@ class Metrics:
             registry=r,
         )
         self.tasks = Gauge("patchserve_tasks", "Tasks registered (as this replica sees it).", registry=r)
+        self.jobs = Gauge(
+            "patchserve_jobs", "Training jobs by status among the most recent 500.", ["status"], registry=r
+        )
         self._slots_seen = SlotStats()
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_rows.observe(stats.rows)
         self.batch_tasks.observe(stats.tasks)
         self.batch_seconds.observe(stats.seconds)
+
+    def set_jobs(self, statuses: list[str]) -> None:
+        for status in ("queued", "running", "succeeded", "rejected", "failed"):
+            self.jobs.labels(status=status).set(statuses.count(status))
 
     def sync_slots(self, stats: SlotStats) -> None:
         """Fold the slot manager's running totals into the counters."""

@@ -204,4 +204,10 @@ async def metrics(svc: ServiceDep) -> Response:
     m.queue_rows.set(svc.batcher.queued_rows)
     m.tasks.set(len(svc.catalog.current))
     m.sync_slots(svc.runner.slots.stats)
+    if svc.queue is not None:
+        try:
+            jobs = await run_in_threadpool(svc.queue.list, 500)
+            m.set_jobs([j.status for j in jobs])
+        except PatchServeError:
+            pass  # the queue being down must not break scraping the rest
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class ServerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PATCHSERVE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PATCHSERVE_", extra="ignore", env_ignore_empty=True)
 
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 to accept connections from others.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")

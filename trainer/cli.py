@@ -190,7 +190,15 @@ def _worker(args: argparse.Namespace) -> int:
     encoder = load_encoder(args.model)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the job in hand, then exit
-    worker = Worker(queue, registry, encoder, name=args.name, lease_s=args.lease_s, max_attempts=args.max_attempts)
+    worker = Worker(
+        queue,
+        registry,
+        encoder,
+        name=args.name,
+        lease_s=args.lease_s,
+        max_attempts=args.max_attempts,
+        device=args.device,
+    )
     try:
         worker.run(stop, max_jobs=args.max_jobs)
     except KeyboardInterrupt:
@@ -283,6 +291,12 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         "--model",
         default=os.environ.get("PATCHSERVE_MODEL", "default"),
         help="base encoder, the same as the servers' (env PATCHSERVE_MODEL)",
+    )
+    p.add_argument(
+        "--device",
+        default=os.environ.get("PATCHSERVE_DEVICE") or "auto",
+        help="where jobs train: auto, cpu, cuda or cuda:N (env PATCHSERVE_DEVICE); a job's own "
+        "device setting wins when it is not 'auto'",
     )
     p.add_argument("--name", help="worker name in the queue (default host-pid)")
     p.add_argument(

@@ -44,6 +44,7 @@ class Worker:
         lease_s: float = 60.0,
         block_s: float = 2.0,
         max_attempts: int = 3,
+        device: str = "auto",
     ) -> None:
         self.queue = queue
         self.registry = registry
@@ -52,6 +53,7 @@ class Worker:
         self.lease_s = lease_s
         self.block_s = block_s
         self.max_attempts = max_attempts
+        self.device = device
 
     def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
         """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled."""
@@ -119,6 +121,8 @@ class Worker:
             patch = Patch.from_bytes(stashed)
             return "succeeded", {"result": job.result | self._register_once(patch)}
         config = TrainConfig.from_dict(job.config)
+        if config.device == "auto":
+            config.device = self.device
         try:
             train, dev, test = self._datasets(job, config)
         except DataError as exc:

@@ -1,0 +1,80 @@
+"""Deployment files, checked without a Docker engine: compose schema, Dockerfile lint, Kubernetes schemas, and
+cross-checks that the dashboard and .env.example match what the code really exports and reads."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.settings import ServerSettings
+from tests.helpers import make_patch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str) -> str:
+    exe = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(exe).exists():
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+    return exe
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_compose_files_follow_the_compose_spec():
+    done = _run(
+        _tool("check-jsonschema"),
+        "--builtin-schema",
+        "vendor.compose-spec",
+        "docker-compose.yml",
+        "deploy/compose.gpu.yml",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dockerfile_lints_clean():
+    done = _run(_tool("hadolint"), "Dockerfile")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_kubernetes_manifests_validate_strictly():
+    manifests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
+    assert len(manifests) >= 4
+    done = _run(_tool("kubernetes-validate"), "--strict", *manifests)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed") >= 7
+
+
+def test_dashboard_queries_name_metrics_the_server_exports(tmp_path, tiny_bert_dir, tiny_encoder):
+    settings = ServerSettings(registry=f"disk://{tmp_path}/reg", model=str(tiny_bert_dir), device="cpu", slots=2)
+    with TestClient(create_app(settings)) as client:
+        client.post("/tasks", files={"patch": ("p", make_patch(tiny_encoder, "t").data)})
+        client.post("/tasks/t/predict", json={"inputs": "good"})
+        exported = client.get("/metrics").text
+    dash = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    names = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"patchserve_[a-z_]+", t["expr"])}
+    assert names
+    missing = sorted(n for n in names if n not in exported and n != "patchserve_jobs")
+    assert not missing, f"dashboard queries metrics the server does not export: {missing}"
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("request", "latency", "batch", "slot", "queue", "job"):
+        assert topic in titles
+
+
+def test_env_example_documents_every_server_setting():
+    text = (ROOT / ".env.example").read_text()
+    documented = set(re.findall(r"PATCHSERVE_([A-Z_]+)=", text))
+    fields = {f.upper() for f in ServerSettings.model_fields}
+    assert fields <= documented, f"undocumented: {sorted(fields - documented)}"
+    compose_only = {"PUBLISH_PORT", "IMAGE_TAG"}
+    assert documented - fields <= compose_only, f"unknown variables: {sorted(documented - fields - compose_only)}"
