@@ -92,7 +92,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(
     settings: ServerSettings | None = None, *, encoder: Encoder | None = None, registry: Registry | None = None
 ) -> FastAPI:
-    """Build the app. Tests pass their own settings (and may pass a loaded encoder or an open registry)."""
+    """Build the app. Tests pass their own settings (and may pass a loaded encoder or an open registry).
+
+    A passed encoder is owned by the app from then on: the runner moves it to the device and rewrites its biased
+    modules in place.
+    """
     settings = settings or ServerSettings()
 
     @asynccontextmanager

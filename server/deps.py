@@ -62,30 +62,34 @@ def _unauthorized(what: str) -> HTTPException:
     )
 
 
-def require_admin(request: Request, svc: ServiceDep) -> None:
-    token = svc.settings.admin_token
-    if token is None:
+def _require(request: Request, accepted: tuple[object, ...], what: str, forbidden: str) -> None:
+    """401 without a bearer token, 403 when it matches none of ``accepted``; no check when the first is unset."""
+    if accepted[0] is None:
         return
     given = _bearer(request)
     if given is None:
-        raise _unauthorized("admin token")
-    if not _matches(given, token):
-        raise HTTPException(
-            403,
-            "the bearer token is not the admin token; registering, deleting and rolling back "
-            "need PATCHSERVE_ADMIN_TOKEN",
-        )
+        raise _unauthorized(what)
+    if not _matches(given, *accepted):
+        raise HTTPException(403, forbidden)
+
+
+def require_admin(request: Request, svc: ServiceDep) -> None:
+    _require(
+        request,
+        (svc.settings.admin_token,),
+        "admin token",
+        "the bearer token is not the admin token; registering, deleting, rolling back and submitting jobs "
+        "need PATCHSERVE_ADMIN_TOKEN",
+    )
 
 
 def require_predict(request: Request, svc: ServiceDep) -> None:
-    token = svc.settings.predict_token
-    if token is None:
-        return
-    given = _bearer(request)
-    if given is None:
-        raise _unauthorized("predict token")
-    if not _matches(given, token, svc.settings.admin_token):
-        raise HTTPException(403, "the bearer token is neither the predict token nor the admin token")
+    _require(
+        request,
+        (svc.settings.predict_token, svc.settings.admin_token),
+        "predict token",
+        "the bearer token is neither the predict token nor the admin token",
+    )
 
 
 AdminAuth = Annotated[None, Depends(require_admin)]
