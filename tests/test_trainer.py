@@ -222,3 +222,14 @@ def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
         ]
     )
     assert rc == 0 and json.loads(capsys.readouterr().out)["registered"]["version"] == 1
+
+
+def test_progress_is_reported_between_evaluations(tmp_path, tiny_encoder):
+    """The worker's lease heartbeat rides on progress reports, so they must not wait for a dev evaluation."""
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    calls: list[dict] = []
+    train_patch(
+        tiny_encoder, train, dev, _config(min_steps=30, eval_every=1000), on_progress=calls.append, progress_every_s=0.0
+    )
+    assert [c["step"] for c in calls] == list(range(1, 31))
+    assert calls[0]["dev"] is None and calls[-1]["dev"] is not None  # the only evaluation is at the last step

@@ -166,6 +166,7 @@ def _run(
     lr: float,
     seed: int,
     on_progress: ProgressFn | None,
+    progress_every_s: float,
 ) -> dict[str, Any]:
     """One training run (one seed, one learning rate); returns the best model and its history."""
     torch.manual_seed(seed)
@@ -192,7 +193,8 @@ def _run(
         dynamic_ncols=True,
     )
     model.train()
-    t0 = time.perf_counter()
+    t0 = last_report = time.perf_counter()
+    last_dev: dict[str, float] | None = None
     while step < total:
         if not order:
             order = list(range(len(train)))
@@ -210,8 +212,9 @@ def _run(
         value = loss.item()
         running = 0.9 * running + 0.1 * value if step > 1 else value
         bar.update(1)
-        if step % eval_every == 0 or step == total:
-            metrics = evaluate(model, dev, pad_id)
+        evaluated = step % eval_every == 0 or step == total
+        if evaluated:
+            metrics = last_dev = evaluate(model, dev, pad_id)
             history.append({"step": step, "loss": running, f"dev_{primary}": metrics[primary]})
             bar.set_postfix(loss=f"{running:.4f}", dev=f"{metrics[primary]:.4f}")
             if metrics[primary] > best["score"]:
@@ -224,12 +227,12 @@ def _run(
                 bad_evals = 0
             else:
                 bad_evals += 1
-            if on_progress is not None:
-                on_progress(
-                    {"step": step, "total_steps": total, "loss": running, "dev": metrics, "seed": seed, "lr": lr}
-                )
-            if bad_evals >= config.patience:
-                break
+        # Reported at every evaluation and on a timer in between: the worker's lease heartbeat rides on this.
+        if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
+            last_report = time.perf_counter()
+            on_progress({"step": step, "total_steps": total, "loss": running, "dev": last_dev, "seed": seed, "lr": lr})
+        if bad_evals >= config.patience:
+            break
     bar.close()
     model.load_state_dict(best["state"])  # best-checkpoint restore
     model.eval()
@@ -269,10 +272,12 @@ def train_patch(
     *,
     test: Dataset | None = None,
     on_progress: ProgressFn | None = None,
+    progress_every_s: float = 2.0,
 ) -> TrainResult:
     """Train a BitFit patch (or, with ``config.full``, fully fine-tune for comparison) on ``train``.
 
-    The encoder passed in is never modified: every run trains a copy.
+    The encoder passed in is never modified: every run trains a copy. ``on_progress`` is called at every dev
+    evaluation and at least every ``progress_every_s`` seconds in between.
     """
     kind, labels = train.kind, train.labels
     if dev.kind != kind or (test is not None and test.kind != kind):
@@ -287,7 +292,7 @@ def train_patch(
     lrs = config.lr_search or [config.lr or (FULL_LR if config.full else BITFIT_LR)]
     t0 = time.perf_counter()
     runs = [
-        _run(encoder, train_f, dev_f, config, kind, n_out, pooling, lr, config.seed + r, on_progress)
+        _run(encoder, train_f, dev_f, config, kind, n_out, pooling, lr, config.seed + r, on_progress, progress_every_s)
         for lr in lrs
         for r in range(config.restarts)
     ]
