@@ -216,3 +216,30 @@ def test_job_api_without_redis_says_what_to_set(tmp_path, tiny_bert_dir):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
+    """Two workers, four jobs: every job runs exactly once, and both workers take part."""
+    from patches.encoder import load_encoder
+
+    _url, reg, queue = redis_ns
+    jobs = [
+        queue.submit(CONFIG | {"task": f"task{i}", "min_steps": 40, "eval_every": 20}, _files(60, 20)) for i in range(4)
+    ]
+    stop = threading.Event()
+    workers = [Worker(queue, reg, load_encoder(str(tiny_bert_dir)), name=f"w{i}", block_s=0.2) for i in range(2)]
+    threads = [threading.Thread(target=w.run, kwargs={"stop": stop}) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: all(queue.get(j.id).status in ("succeeded", "failed") for j in jobs), what="all four jobs")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    done = [queue.get(j.id) for j in jobs]
+    assert [d.status for d in done] == ["succeeded"] * 4, [d.error for d in done]
+    assert all(d.attempts == 1 for d in done)
+    assert {d.worker for d in done} == {"w0", "w1"}
+    assert reg.tasks() == [f"task{i}" for i in range(4)]
+    assert all([v.version for v in reg.versions(f"task{i}")] == [1] for i in range(4))
