@@ -42,6 +42,10 @@ def _diff(mean: dict[str, float | None], a: str, b: str) -> str:
     return f"{x - y:+.1f}" if x is not None and y is not None else "-"
 
 
+def _minutes(runs: list[dict]) -> str:
+    return f"{statistics.mean(r['seconds'] / 60 for r in runs):.1f}" if runs else "-"
+
+
 def write_table(runs: list[dict], path: Path, command: str) -> None:
     lines = [
         "# Trainer quality: BitFit vs full fine-tuning of the same encoder",
@@ -67,11 +71,11 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
             std = statistics.stdev(vals) if len(vals) > 1 else 0.0
             cell[mode] = f"{mean[mode]:.1f} ± {std:.1f} (n={len(vals)})" if vals else "-"
 
-        mins = {m: statistics.mean([r["seconds"] / 60 for r in mine if r["mode"] == m] or [0]) for m in MODES}
+        mins = {m: _minutes([r for r in mine if r["mode"] == m]) for m in MODES}
         lines.append(
             f"| {ds} | {mine[0]['metric']} | {cell['bitfit']} | {cell['bitfit-qi']} | {cell['full']} | "
             f"{_diff(mean, 'bitfit', 'full')} | {_diff(mean, 'bitfit-qi', 'full')} | {len(mine)} | "
-            f"{mins['bitfit']:.1f} / {mins['full']:.1f} | {mine[0]['device']} |"
+            f"{mins['bitfit']} / {mins['full']} | {mine[0]['device']} |"
         )
     lines += ["", "Target: BitFit ≥ full - 1.0 point; query+intermediate ≥ full - 3 points.", ""]
     path.write_text("\n".join(lines))
