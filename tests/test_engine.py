@@ -144,3 +144,64 @@ def test_default_minilm_mixed_batch(minilm):
         rows += _rows(minilm, patches[i % 2], [text])
     for row, out in zip(rows, runner.run(rows), strict=True):
         torch.testing.assert_close(out, _reference(minilm.model, row.patch, row), rtol=0, atol=1e-4)
+
+
+def _spy_runner(tiny_bert_dir, slots):
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=slots)
+    batches: list[list[Row]] = []
+    real = runner.run
+
+    def spy(rows):
+        batches.append(list(rows))
+        return real(rows)
+
+    runner.run = spy  # type: ignore[method-assign]
+    return runner, batches
+
+
+def test_batcher_mixes_tasks_and_drops_cancelled_rows(tiny_bert_dir, tiny_encoder):
+    import asyncio
+
+    from server.engine.batcher import Batcher
+
+    runner, batches = _spy_runner(tiny_bert_dir, slots=4)
+    pa, pb = make_patch(tiny_encoder, "a", seed=1), make_patch(tiny_encoder, "b", seed=2)
+
+    async def scenario():
+        batcher = Batcher(runner, max_rows=8, max_wait_ms=200)
+        batcher.start()
+        fa = batcher.submit(_rows(tiny_encoder, pa, ["the good movie", "a bad film"]))
+        fb = batcher.submit(_rows(tiny_encoder, pb, ["the cat runs"]))
+        fa[1].cancel()  # what a client hang-up or timeout does to its rows
+        outs = await asyncio.gather(fa[0], fb[0])
+        await batcher.stop()
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert len(batches) == 1 and len(batches[0]) == 2, "one mixed batch without the cancelled row"
+    assert {r.patch.patch_id for r in batches[0]} == {pa.patch_id, pb.patch_id}
+    assert outs[0].shape == (2,) and outs[1].shape == (2,)
+
+
+def test_batcher_respects_row_and_patch_bounds(tiny_bert_dir, tiny_encoder):
+    import asyncio
+
+    from server.engine.batcher import Batcher
+
+    runner, batches = _spy_runner(tiny_bert_dir, slots=2)
+    patches = [make_patch(tiny_encoder, f"t{i}", seed=i) for i in range(3)]
+
+    async def scenario():
+        batcher = Batcher(runner, max_rows=4, max_wait_ms=50)
+        batcher.start()
+        futures = []
+        for i in range(10):
+            futures += batcher.submit(_rows(tiny_encoder, patches[i % 3], [SENTENCES[i % len(SENTENCES)]]))
+        outs = await asyncio.gather(*futures)
+        await batcher.stop()
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert len(outs) == 10 and sum(len(b) for b in batches) == 10
+    assert all(len(b) <= 4 for b in batches)
+    assert all(len({r.patch.patch_id for r in b}) <= 2 for b in batches), "more patches than slots in a batch"
