@@ -23,7 +23,7 @@ from patches.encoder import load_encoder
 from patches.jobs import TrainConfig
 from trainer.data import load_dataset
 from trainer.metrics import PRIMARY
-from trainer.train import train_patch
+from trainer.train import BITFIT_LR, FULL_LR, train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -37,6 +37,11 @@ def load_runs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 
+def is_current(run: dict) -> bool:
+    """A run counts towards the table only if it used today's default learning rate for its mode."""
+    return bool(run["lr"] == (FULL_LR if run["mode"] == "full" else BITFIT_LR))
+
+
 def _diff(mean: dict[str, float | None], a: str, b: str) -> str:
     x, y = mean[a], mean[b]
     return f"{x - y:+.1f}" if x is not None and y is not None else "-"
@@ -46,7 +51,8 @@ def _minutes(runs: list[dict]) -> str:
     return f"{statistics.mean(r['seconds'] / 60 for r in runs):.1f}" if runs else "-"
 
 
-def write_table(runs: list[dict], path: Path, command: str) -> None:
+def write_table(all_runs: list[dict], path: Path, command: str) -> None:
+    runs = [r for r in all_runs if is_current(r)]
     lines = [
         "# Trainer quality: BitFit vs full fine-tuning of the same encoder",
         "",
@@ -78,6 +84,23 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
             f"{mins['bitfit']} / {mins['full']} | {mine[0]['device']} |"
         )
     lines += ["", "Target: BitFit ≥ full - 1.0 point; query+intermediate ≥ full - 3 points.", ""]
+    old = [r for r in all_runs if not is_current(r)]
+    if old:
+        lines += [
+            "Superseded runs (a learning rate that is no longer the default; kept for the record):",
+            "",
+            "| data set | mode | lr | test | dev | runs | min/run |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for key in sorted({(r["set"], r["mode"], r["lr"]) for r in old}):
+            grp = [r for r in old if (r["set"], r["mode"], r["lr"]) == key]
+            test, dev = ([100 * r[k] for r in grp] for k in ("test", "dev"))
+            spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
+            lines.append(
+                f"| {key[0]} | {key[1]} | {key[2]:g} | {statistics.mean(test):.1f}{spread} | "
+                f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} |"
+            )
+        lines.append("")
     path.write_text("\n".join(lines))
 
 
@@ -100,7 +123,7 @@ def main() -> None:
         test = load_dataset(DATA / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
         for mode in args.modes:
             for seed in args.seeds:
-                done = {(r["set"], r["mode"], r["seed"]) for r in load_runs(runs_file)}
+                done = {(r["set"], r["mode"], r["seed"]) for r in load_runs(runs_file) if is_current(r)}
                 if (ds, mode, seed) in done:
                     continue
                 config = TrainConfig(task=ds, seed=seed, device=args.device, **MODES[mode])  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ class TrainConfig:
     min_steps: int = 600  # small data sets still get this many updates (Zhang et al., ICLR 2021)
     max_steps: int | None = None
     batch_size: int = 16
-    lr: float | None = None  # None: 1e-3 for BitFit, 5e-5 for full fine-tuning
+    lr: float | None = None  # None: 3e-3 for BitFit, 5e-5 for full fine-tuning
     lr_search: list[float] = field(default_factory=list)  # e.g. the BitFit paper's [1e-4, 4e-4, 7e-4, 1e-3]
     seed: int = 0
     restarts: int = 1  # seeds seed .. seed+restarts-1; the best dev score wins

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         help="train at least this many updates, so small data sets train long enough (default 600)",
     )
     p.add_argument("--max-steps", type=int, help="stop after this many updates")
-    p.add_argument("--lr", type=float, help="learning rate (default 1e-3 for BitFit, 5e-5 with --full)")
+    p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for BitFit, 5e-5 with --full)")
     p.add_argument(
         "--lr-search",
         type=float,
@@ -95,6 +96,28 @@ def _write_patch(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def progress_logger(every_s: float = 30.0) -> Any:
+    """Plain progress lines for when stderr is not a terminal (logs, CI, nohup): there is no bar there."""
+    import time
+
+    last = [-math.inf]
+
+    def log(p: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - last[0] < every_s and p["step"] != p["total_steps"]:
+            return
+        last[0] = now
+        dev = ", ".join(f"dev {k} {v:.4f}" for k, v in (p["dev"] or {}).items())
+        print(
+            f"seed={p['seed']} lr={p['lr']:g} step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}"
+            + (f" {dev}" if dev else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return log
+
+
 def _train(args: argparse.Namespace) -> int:
     from patches.encoder import load_encoder
     from patches.jobs import TrainConfig
@@ -114,7 +137,8 @@ def _train(args: argparse.Namespace) -> int:
     test = load_dataset(args.test, kind=train.kind, labels=train.labels or None) if args.test else None
     encoder = load_encoder(args.model)
     config = TrainConfig.from_dict(config_from_args(args) | {"device": args.device})
-    result = train_patch(encoder, train, dev, config, test=test)
+    progress = None if sys.stderr.isatty() else progress_logger()
+    result = train_patch(encoder, train, dev, config, test=test, on_progress=progress)
     report = result.report
     if args.report:
         path = Path(args.report)

@@ -32,7 +32,7 @@ from patches.model import TaskModel
 from trainer.data import Dataset
 from trainer.metrics import PRIMARY, compute
 
-BITFIT_LR = 1e-3
+BITFIT_LR = 3e-3
 FULL_LR = 5e-5
 IGNORE = -100
 
