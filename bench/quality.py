@@ -59,7 +59,14 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
         "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test metric (accuracy, "
         "Spearman x100 for STS-B) as mean ± std over seeds; minutes per run on the machine noted.",
         "",
-        f"Reproduce: `{command}`",
+        "Reproduce all of it with `python bench/quality.py` (4 sets x 3 modes x 3 seeds; resumable: every finished "
+        "run is appended to `docs/quality-runs.jsonl` and skipped next time; add `--device cuda` on a GPU). One "
+        "cell: `python bench/quality.py --sets trec --modes bitfit --seeds 0`. Each run is the same as "
+        "`patchserve train --task SET --train ../shared/data/SET/train.jsonl --dev …/dev.jsonl --test "
+        "…/test.jsonl --seed N` (plus `--bias-subset query-intermediate` or `--full`).",
+        "",
+        f"Runs at today's defaults: {len(runs)} of {len(SETS) * len(MODES) * 3} (3 seeds per cell). Last command: "
+        f"`{command}`.",
         "",
         "| data set | metric | BitFit (all) | BitFit (q+m2) | full FT | BitFit - full | q+m2 - full | runs | min/run "
         "(bitfit / full) | device |",
