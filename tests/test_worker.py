@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -63,11 +64,13 @@ def _wait(pred, timeout=60.0, what="condition"):
         time.sleep(0.05)
 
 
-def test_job_lifecycle_registers_a_patch(redis_ns, tiny_encoder):
+def test_job_lifecycle_registers_a_patch(redis_ns, tiny_encoder, caplog):
     _url, reg, queue = redis_ns
     job = queue.submit(CONFIG, _files())
     assert queue.get(job.id).status == "queued" and queue.list()[0].id == job.id
-    assert Worker(queue, reg, tiny_encoder, name="w1", block_s=0.2).run(max_jobs=1) == 1
+    with caplog.at_level(logging.INFO, logger="trainer.worker"):
+        assert Worker(queue, reg, tiny_encoder, name="w1", block_s=0.2).run(max_jobs=1) == 1
+    assert any(f"job {job.id}: step " in r.getMessage() for r in caplog.records), "progress also goes to the log"
     done = queue.get(job.id)
     assert done.status == "succeeded", done.error
     assert done.attempts == 1 and done.worker == "w1"

@@ -27,6 +27,7 @@ from trainer.metrics import PRIMARY
 from trainer.train import train_patch
 
 log = logging.getLogger(__name__)
+LOG_EVERY_S = 30.0  # seconds between progress lines in the log
 
 
 class LeaseLostError(RuntimeError):
@@ -127,7 +128,7 @@ class Worker:
             train, dev, test = self._datasets(job, config)
         except DataError as exc:
             return "failed", {"error": f"bad data: {exc}"}
-        last_beat = [0.0]
+        last_beat, last_log = [0.0], [0.0]
 
         def progress(p: dict[str, Any]) -> None:
             now = time.monotonic()
@@ -136,6 +137,10 @@ class Worker:
                 if not self.queue.heartbeat(self.name, msg_id):
                     raise LeaseLostError(job.id)
                 self.queue.update(job.id, progress=p)
+            if now - last_log[0] >= LOG_EVERY_S:  # a line in the worker's log too (docker compose logs worker)
+                last_log[0] = now
+                step, total, loss = p["step"], p["total_steps"], p["loss"]
+                log.info("job %s: step %d/%d loss %.4f dev %s", job.id, step, total, loss, p["dev"])
 
         result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress)
         report, primary = result.report, PRIMARY[result.report["kind"]]
