@@ -17,9 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from patches.encoder import load_encoder
+from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from trainer.data import load_dataset
 from trainer.metrics import PRIMARY
@@ -51,27 +53,15 @@ def _minutes(runs: list[dict]) -> str:
     return f"{statistics.mean(r['seconds'] / 60 for r in runs):.1f}" if runs else "-"
 
 
-def write_table(all_runs: list[dict], path: Path, command: str) -> None:
-    runs = [r for r in all_runs if is_current(r)]
-    lines = [
-        "# Trainer quality: BitFit vs full fine-tuning of the same encoder",
-        "",
-        "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test metric (accuracy, "
-        "Spearman x100 for STS-B) as mean ± std over seeds; minutes per run on the machine noted.",
-        "",
-        "Reproduce all of it with `python bench/quality.py` (4 sets x 3 modes x 3 seeds; resumable: every finished "
-        "run is appended to `docs/quality-runs.jsonl` and skipped next time; add `--device cuda` on a GPU). One "
-        "cell: `python bench/quality.py --sets trec --modes bitfit --seeds 0`. Each run is the same as "
-        "`patchserve train --task SET --train ../shared/data/SET/train.jsonl --dev …/dev.jsonl --test "
-        "…/test.jsonl --seed N` (plus `--bias-subset query-intermediate` or `--full`).",
-        "",
-        f"Runs at today's defaults: {len(runs)} of {len(SETS) * len(MODES) * 3} (3 seeds per cell). Last command: "
-        f"`{command}`.",
-        "",
-        "| data set | metric | BitFit (all) | BitFit (q+m2) | full FT | BitFit - full | q+m2 - full | runs | min/run "
-        "(bitfit / full) | device |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+def device_of(run: dict) -> str:
+    """The machine a run was measured on: device type plus the accelerator's name when recorded ("cuda: NVIDIA
+    H100 80GB HBM3"); runs on different machines are never averaged together."""
+    kind = str(run["device"]).split(":")[0]
+    return f"{kind}: {run['device_name']}" if run.get("device_name") else kind
+
+
+def _set_rows(runs: list[dict]) -> list[str]:
+    rows = []
     for ds in SETS:
         mine = [r for r in runs if r["set"] == ds]
         if not mine:
@@ -83,29 +73,61 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
             mean[mode] = statistics.mean(vals) if vals else None
             std = statistics.stdev(vals) if len(vals) > 1 else 0.0
             cell[mode] = f"{mean[mode]:.1f} ± {std:.1f} (n={len(vals)})" if vals else "-"
-
         mins = {m: _minutes([r for r in mine if r["mode"] == m]) for m in MODES}
-        lines.append(
+        rows.append(
             f"| {ds} | {mine[0]['metric']} | {cell['bitfit']} | {cell['bitfit-qi']} | {cell['full']} | "
             f"{_diff(mean, 'bitfit', 'full')} | {_diff(mean, 'bitfit-qi', 'full')} | {len(mine)} | "
-            f"{mins['bitfit']} / {mins['full']} | {mine[0]['device']} |"
+            f"{mins['bitfit']} / {mins['full']} |"
         )
+    return rows
+
+
+def write_table(all_runs: list[dict], path: Path, command: str) -> None:
+    runs = [r for r in all_runs if is_current(r)]
+    total = len(SETS) * len(MODES) * 3
+    lines = [
+        "# Trainer quality: BitFit vs full fine-tuning of the same encoder",
+        "",
+        "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test metric (accuracy, "
+        "Spearman x100 for STS-B) as mean ± std over seeds; minutes per run (wall clock) on the machine named. "
+        "One table per machine: runs on different machines are not averaged together.",
+        "",
+        "Reproduce all of it with `python bench/quality.py` (4 sets x 3 modes x 3 seeds; resumable: every finished "
+        "run is appended to `docs/quality-runs.jsonl` and skipped next time on the same kind of device; add "
+        "`--device cuda` on a GPU). One cell: `python bench/quality.py --sets trec --modes bitfit --seeds 0`. Each "
+        "run is the same as `patchserve train --task SET --train ../shared/data/SET/train.jsonl --dev "
+        "…/dev.jsonl --test …/test.jsonl --seed N` (plus `--bias-subset query-intermediate` or `--full`).",
+        "",
+        f"Last command: `{command}`.",
+    ]
+    for device in sorted({device_of(r) for r in runs}, key=lambda d: (d.startswith("cpu"), d)):
+        mine = [r for r in runs if device_of(r) == device]
+        notes = sorted({r["note"] for r in mine if r.get("note")})
+        lines += ["", f"## {device}", "", f"Runs at today's defaults: {len(mine)} of {total} (3 seeds per cell)."]
+        lines += [f"{n}." for n in notes]
+        lines += [
+            "",
+            "| data set | metric | BitFit (all) | BitFit (q+m2) | full FT | BitFit - full | q+m2 - full | runs | "
+            "min/run (bitfit / full) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *_set_rows(mine),
+        ]
     lines += ["", "Target: BitFit ≥ full - 1.0 point; query+intermediate ≥ full - 3 points.", ""]
     old = [r for r in all_runs if not is_current(r)]
     if old:
         lines += [
             "Superseded runs (a learning rate that is no longer the default; kept for the record):",
             "",
-            "| data set | mode | lr | test | dev | runs | min/run |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| data set | mode | lr | test | dev | runs | min/run | device |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for key in sorted({(r["set"], r["mode"], r["lr"]) for r in old}):
-            grp = [r for r in old if (r["set"], r["mode"], r["lr"]) == key]
+        for key in sorted({(r["set"], r["mode"], r["lr"], device_of(r)) for r in old}):
+            grp = [r for r in old if (r["set"], r["mode"], r["lr"], device_of(r)) == key]
             test, dev = ([100 * r[k] for r in grp] for k in ("test", "dev"))
             spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
             lines.append(
                 f"| {key[0]} | {key[1]} | {key[2]:g} | {statistics.mean(test):.1f}{spread} | "
-                f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} |"
+                f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
         lines.append("")
     path.write_text("\n".join(lines))
@@ -117,23 +139,33 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--out", default=str(ROOT / "docs"), help="folder of quality-runs.jsonl and quality.md")
+    ap.add_argument("--data", default=str(DATA), help="folder of SET/{train,dev,test}.jsonl (default: %(default)s)")
+    ap.add_argument(
+        "--note", default="", help="how the machine was shared, recorded with each run and shown under its table"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs_file, table = out / "quality-runs.jsonl", out / "quality.md"
     command = "python bench/quality.py " + " ".join(sys.argv[1:])
     encoder = load_encoder("default")
+    device = resolve_device(args.device)
+    data = Path(args.data)
     for ds in args.sets:
-        train = load_dataset(DATA / ds / "train.jsonl")
-        dev = load_dataset(DATA / ds / "dev.jsonl", kind=train.kind, labels=train.labels or None)
-        test = load_dataset(DATA / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
+        train = load_dataset(data / ds / "train.jsonl")
+        dev = load_dataset(data / ds / "dev.jsonl", kind=train.kind, labels=train.labels or None)
+        test = load_dataset(data / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
         for mode in args.modes:
             for seed in args.seeds:
-                done = {(r["set"], r["mode"], r["seed"]) for r in load_runs(runs_file) if is_current(r)}
-                if (ds, mode, seed) in done:
+                done = {
+                    (r["set"], r["mode"], r["seed"], str(r["device"]).split(":")[0])
+                    for r in load_runs(runs_file)
+                    if is_current(r)
+                }
+                if (ds, mode, seed, device.type) in done:
                     continue
-                config = TrainConfig(task=ds, seed=seed, device=args.device, **MODES[mode])  # type: ignore[arg-type]
+                config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode])  # type: ignore[arg-type]
                 t0 = time.perf_counter()
                 result = train_patch(encoder, train, dev, config, test=test)
                 metric = PRIMARY[train.kind]
@@ -148,8 +180,12 @@ def main() -> None:
                     "lr": result.report["lr"],
                     "seconds": time.perf_counter() - t0,
                     "trainable_params": result.report["trainable_params"],
-                    "device": str(next(result.model.parameters()).device),
+                    "device": device.type,
                 }
+                if device.type == "cuda":
+                    rec["device_name"] = torch.cuda.get_device_name(device)
+                if args.note:
+                    rec["note"] = args.note
                 with runs_file.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps(rec), flush=True)
