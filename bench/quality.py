@@ -53,10 +53,15 @@ def _minutes(runs: list[dict]) -> str:
     return f"{statistics.mean(r['seconds'] / 60 for r in runs):.1f}" if runs else "-"
 
 
+def device_type(run: dict) -> str:
+    """ "cpu" or "cuda" (older records say "cuda:0")."""
+    return str(run["device"]).split(":")[0]
+
+
 def device_of(run: dict) -> str:
     """The machine a run was measured on: device type plus the accelerator's name when recorded ("cuda: NVIDIA
     H100 80GB HBM3"); runs on different machines are never averaged together."""
-    kind = str(run["device"]).split(":")[0]
+    kind = device_type(run)
     return f"{kind}: {run['device_name']}" if run.get("device_name") else kind
 
 
@@ -158,11 +163,7 @@ def main() -> None:
         test = load_dataset(data / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
         for mode in args.modes:
             for seed in args.seeds:
-                done = {
-                    (r["set"], r["mode"], r["seed"], str(r["device"]).split(":")[0])
-                    for r in load_runs(runs_file)
-                    if is_current(r)
-                }
+                done = {(r["set"], r["mode"], r["seed"], device_type(r)) for r in load_runs(runs_file) if is_current(r)}
                 if (ds, mode, seed, device.type) in done:
                     continue
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode])  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ def _write_patch(path: Path, data: bytes) -> None:
 
 def progress_logger(every_s: float = 30.0) -> Any:
     """Plain progress lines for when stderr is not a terminal (logs, CI, nohup): there is no bar there."""
-    import time
+    from trainer.train import progress_line
 
     last = [-math.inf]
 
@@ -107,13 +108,7 @@ def progress_logger(every_s: float = 30.0) -> Any:
         if now - last[0] < every_s and p["step"] != p["total_steps"]:
             return
         last[0] = now
-        dev = ", ".join(f"dev {k} {v:.4f}" for k, v in (p["dev"] or {}).items())
-        print(
-            f"seed={p['seed']} lr={p['lr']:g} step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}"
-            + (f" {dev}" if dev else ""),
-            file=sys.stderr,
-            flush=True,
-        )
+        print(progress_line(p), file=sys.stderr, flush=True)
 
     return log
 

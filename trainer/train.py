@@ -54,6 +54,12 @@ class TrainResult:
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
+def progress_line(p: dict[str, Any]) -> str:
+    """One plain line for a progress report (what ``on_progress`` receives), for logs and non-terminal stderr."""
+    dev = "".join(f" dev {k} {v:.4f}" for k, v in (p["dev"] or {}).items())
+    return f"step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
+
+
 def featurize(tokenizer: Any, ds: Dataset, labels: list[str], max_len: int) -> list[Features]:
     """Tokenise a data set once. Tagging: the first sub-word of each word carries its tag, the rest are ignored."""
     index = {label: i for i, label in enumerate(labels)}

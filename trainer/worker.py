@@ -24,7 +24,7 @@ from patches.jobs import TERMINAL, Gate, Job, JobQueue, TrainConfig
 from patches.store import Registry
 from trainer.data import DataError, load_dataset, split_dev
 from trainer.metrics import PRIMARY
-from trainer.train import train_patch
+from trainer.train import progress_line, train_patch
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0  # seconds between progress lines in the log
@@ -139,8 +139,7 @@ class Worker:
                 self.queue.update(job.id, progress=p)
             if now - last_log[0] >= LOG_EVERY_S:  # a line in the worker's log too (docker compose logs worker)
                 last_log[0] = now
-                step, total, loss = p["step"], p["total_steps"], p["loss"]
-                log.info("job %s: step %d/%d loss %.4f dev %s", job.id, step, total, loss, p["dev"])
+                log.info("job %s: %s", job.id, progress_line(p))
 
         result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress)
         report, primary = result.report, PRIMARY[result.report["kind"]]
