@@ -3,9 +3,11 @@ encoder, with default settings, on the shared evaluation data; mean +- std over 
 
     python bench/quality.py                                   # every set, 3 seeds, all three modes
     python bench/quality.py --sets trec --seeds 0 --modes bitfit full --device cuda
+    python bench/quality.py --sets trec --modes bitfit --set dropout=0 --out /tmp/candidate   # try a setting
 
-Each finished run is appended to docs/quality-runs.jsonl (so an interrupted benchmark resumes where it stopped);
-docs/quality.md is rewritten from all recorded runs after each one.
+Each finished run is appended to docs/quality-runs.jsonl with the settings it was trained with (so an interrupted
+benchmark resumes where it stopped); docs/quality.md is rewritten from all recorded runs after each one, with only
+runs at today's defaults in its tables.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +29,7 @@ from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from trainer.data import load_dataset
 from trainer.metrics import PRIMARY
-from trainer.train import BITFIT_LR, FULL_LR, train_patch
+from trainer.train import train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -39,9 +43,42 @@ def load_runs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 
+def settings(config: TrainConfig) -> dict[str, Any]:
+    """What a run was trained with: every training setting but the task, seed and device; the mode's defaults
+    filled in."""
+    return {k: v for k, v in asdict(config.resolved()).items() if k not in ("task", "seed", "device")}
+
+
+def default_settings(mode: str) -> dict[str, Any]:
+    return settings(TrainConfig(task="quality", **MODES[mode]))  # type: ignore[arg-type]
+
+
 def is_current(run: dict) -> bool:
-    """A run counts towards the table only if it used today's default learning rate for its mode."""
-    return bool(run["lr"] == (FULL_LR if run["mode"] == "full" else BITFIT_LR))
+    """A run counts towards the table only if it was trained with today's defaults for its mode."""
+    return bool(run.get("settings") == default_settings(run["mode"]))
+
+
+def differences(run: dict) -> str:
+    """How a run's settings differ from today's defaults for its mode ("lr=0.001, epochs=10")."""
+    if "settings" not in run:
+        return "unrecorded"
+    today = default_settings(run["mode"])
+    return ", ".join(f"{k}={v}" for k, v in run["settings"].items() if today.get(k) != v) or "today's defaults"
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["lr=6e-3", "dropout=0"]`` -> ``{"lr": 0.006, "dropout": 0}``; values are JSON, else strings."""
+    out: dict[str, Any] = {}
+    known = {f.name for f in fields(TrainConfig)} - {"task", "seed", "device", "full"}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in known:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE with KEY one of {sorted(known)}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
 
 
 def _diff(mean: dict[str, float | None], a: str, b: str) -> str:
@@ -121,17 +158,18 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
     old = [r for r in all_runs if not is_current(r)]
     if old:
         lines += [
-            "Superseded runs (a learning rate that is no longer the default; kept for the record):",
+            "Other runs: earlier defaults and candidate settings that were tried and not adopted (defaults are "
+            "chosen on the dev score, never on test), listed by how they differ from today's defaults:",
             "",
-            "| data set | mode | lr | test | dev | runs | min/run | device |",
+            "| data set | mode | settings that differ | test | dev | runs | min/run | device |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for key in sorted({(r["set"], r["mode"], r["lr"], device_of(r)) for r in old}):
-            grp = [r for r in old if (r["set"], r["mode"], r["lr"], device_of(r)) == key]
+        for key in sorted({(r["set"], r["mode"], differences(r), device_of(r)) for r in old}):
+            grp = [r for r in old if (r["set"], r["mode"], differences(r), device_of(r)) == key]
             test, dev = ([100 * r[k] for r in grp] for k in ("test", "dev"))
             spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
             lines.append(
-                f"| {key[0]} | {key[1]} | {key[2]:g} | {statistics.mean(test):.1f}{spread} | "
+                f"| {key[0]} | {key[1]} | {key[2]} | {statistics.mean(test):.1f}{spread} | "
                 f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
         lines.append("")
@@ -149,7 +187,17 @@ def main() -> None:
     ap.add_argument(
         "--note", default="", help="how the machine was shared, recorded with each run and shown under its table"
     )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="train with this setting instead of the default (repeatable; e.g. --set dropout=0); such runs are "
+        "recorded with their settings and listed apart from the table of defaults",
+    )
     args = ap.parse_args()
+    overrides = parse_overrides(args.overrides)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs_file, table = out / "quality-runs.jsonl", out / "quality.md"
@@ -163,10 +211,15 @@ def main() -> None:
         test = load_dataset(data / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
         for mode in args.modes:
             for seed in args.seeds:
-                done = {(r["set"], r["mode"], r["seed"], device_type(r)) for r in load_runs(runs_file) if is_current(r)}
+                config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
+                wanted = settings(config)
+                done = {
+                    (r["set"], r["mode"], r["seed"], device_type(r))
+                    for r in load_runs(runs_file)
+                    if r.get("settings") == wanted
+                }
                 if (ds, mode, seed, device.type) in done:
                     continue
-                config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode])  # type: ignore[arg-type]
                 t0 = time.perf_counter()
                 result = train_patch(encoder, train, dev, config, test=test)
                 metric = PRIMARY[train.kind]
@@ -178,7 +231,9 @@ def main() -> None:
                     "test": result.report["test"][metric],
                     "dev": result.report["dev"][metric],
                     "steps": result.report["steps"],
+                    "best_step": result.report["best_step"],
                     "lr": result.report["lr"],
+                    "settings": wanted,
                     "seconds": time.perf_counter() - t0,
                     "trainable_params": result.report["trainable_params"],
                     "device": device.type,

@@ -113,12 +113,40 @@ def test_full_fine_tuning_reports_without_a_patch(tmp_path, tiny_encoder):
     assert result.report["trainable_params"] == result.report["total_params"]
 
 
+def test_mode_defaults_fill_what_the_config_leaves_open():
+    bitfit, full = TrainConfig(task="t").resolved(), TrainConfig(task="t", full=True).resolved()
+    assert (bitfit.lr, bitfit.epochs, bitfit.patience) == (3e-3, 10.0, 40)
+    assert (full.lr, full.epochs, full.patience) == (5e-5, 5.0, 6)
+    mine = TrainConfig(task="t", lr=1e-3, epochs=2, patience=3).resolved()
+    assert (mine.lr, mine.epochs, mine.patience) == (1e-3, 2, 3)
+
+
+def test_report_shows_resolved_settings_head_lr_and_dropout(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    config = _config(min_steps=15, epochs=None, lr=None, head_lr=1e-12, dropout=0.0, seed=5)
+    result = train_patch(tiny_encoder, train, dev, config)
+    assert result.report["config"]["epochs"] == 10.0 and result.report["lr"] == 3e-3
+    assert result.report["head_lr"] == 1e-12
+    # the head barely moved from its initialisation (the first draw after seeding), while the biases trained
+    torch.manual_seed(5)
+    init = torch.nn.Linear(tiny_encoder.hidden_size, len(train.labels))
+    assert torch.allclose(result.patch.head_weight, init.weight, atol=1e-6)
+    before = bias_parameters(tiny_encoder.model)
+    assert any(not torch.equal(b, before[n].detach().cpu()) for n, b in result.patch.biases.items())
+    rates = {m.p for m in result.model.encoder.modules() if isinstance(m, torch.nn.Dropout)}
+    assert rates == {0.0}
+    assert {m.p for m in tiny_encoder.model.modules() if isinstance(m, torch.nn.Dropout)} != {0.0}  # input untouched
+
+
 def test_bad_configs_are_refused():
     for bad in (
         {"task": "../x"},
         {"task": "t", "bias_subset": "keys"},
         {"task": "t", "lr": -1.0},
         {"task": "t", "epochs": 0},
+        {"task": "t", "dropout": 1.0},
+        {"task": "t", "head_lr": 0.0},
+        {"task": "t", "patience": 0},
     ):
         with pytest.raises(Exception):  # noqa: B017 - InvalidTaskNameError or JobError, each with a message
             TrainConfig.from_dict(bad)

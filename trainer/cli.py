@@ -30,7 +30,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         choices=["all", "query-intermediate"],
         help="which biases train: all (BitFit) or b_q + b_m2 (0.04%% of BERT-base); default all",
     )
-    p.add_argument("--epochs", type=float, default=5.0, help="passes over the training data (default 5)")
+    p.add_argument("--epochs", type=float, help="passes over the training data (default 10 for BitFit, 5 with --full)")
     p.add_argument(
         "--min-steps",
         type=int,
@@ -39,6 +39,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-steps", type=int, help="stop after this many updates")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for BitFit, 5e-5 with --full)")
+    p.add_argument("--head-lr", type=float, help="the task head's learning rate (default: the same as --lr)")
     p.add_argument(
         "--lr-search",
         type=float,
@@ -60,8 +61,16 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         choices=["mean", "cls", "pooler"],
         help="sentence vector for the head; default: the encoder's (mean for the default encoder)",
     )
-    p.add_argument("--patience", type=int, default=6, help="dev evaluations without improvement before stopping")
+    p.add_argument(
+        "--patience",
+        type=int,
+        help="dev evaluations without improvement before stopping early (default 40 for BitFit: its 10 epochs run "
+        "to the end; 6 with --full); the best dev checkpoint is kept either way",
+    )
     p.add_argument("--eval-every", type=int, help="updates between dev evaluations (default: 4 per epoch)")
+    p.add_argument(
+        "--dropout", type=float, help="dropout rate in the encoder while training (default: the encoder's own)"
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -78,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "min_steps": args.min_steps,
         "max_steps": args.max_steps,
         "lr": args.lr,
+        "head_lr": args.head_lr,
         "lr_search": args.lr_search or [],
         "seed": args.seed,
         "restarts": args.restarts,
@@ -86,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "pooling": args.pooling,
         "patience": args.patience,
         "eval_every": args.eval_every,
+        "dropout": args.dropout,
         "full": args.full,
     }
     return cfg

@@ -32,8 +32,6 @@ from patches.model import TaskModel
 from trainer.data import Dataset
 from trainer.metrics import PRIMARY, compute
 
-BITFIT_LR = 3e-3
-FULL_LR = 5e-5
 IGNORE = -100
 
 
@@ -148,17 +146,25 @@ def _schedule(total: int, warmup: int) -> Callable[[int], float]:
     return factor
 
 
-def _trainable(model: TaskModel, config: TrainConfig) -> list[nn.Parameter]:
+def _trainable(model: TaskModel, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(encoder parameters to train, head parameters); nothing else keeps ``requires_grad``."""
     model.requires_grad_(False)
     if config.full:
-        model.requires_grad_(True)
-        return [p for p in model.parameters()]
-    params = bias_parameters(model.encoder)
-    chosen = [params[n] for n in target_names(model.encoder, config.bias_subset)]
-    chosen += list(model.head.parameters())
-    for p in chosen:
+        encoder = list(model.encoder.parameters())
+    else:
+        params = bias_parameters(model.encoder)
+        encoder = [params[n] for n in target_names(model.encoder, config.bias_subset)]
+    head = list(model.head.parameters())
+    for p in [*encoder, *head]:
         p.requires_grad_(True)
-    return chosen
+    return encoder, head
+
+
+def _set_dropout(module: nn.Module, rate: float) -> None:
+    """Every dropout in ``module`` (BERT's attention reads its rate from its ``nn.Dropout`` too) drops ``rate``."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = rate
 
 
 def _run(
@@ -174,12 +180,20 @@ def _run(
     on_progress: ProgressFn | None,
     progress_every_s: float,
 ) -> dict[str, Any]:
-    """One training run (one seed, one learning rate); returns the best model and its history."""
+    """One training run (one seed, one learning rate); returns the best model and its history.
+
+    ``config`` is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
+    assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
+    patience = config.patience
     torch.manual_seed(seed)
     device = resolve_device(config.device)
     model = TaskModel(copy.deepcopy(encoder.model), nn.Linear(encoder.hidden_size, n_out), kind, pooling).to(device)
-    params = _trainable(model, config)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
+    if config.dropout is not None:
+        _set_dropout(model.encoder, config.dropout)
+    encoder_params, head_params = _trainable(model, config)
+    params = encoder_params + head_params
+    groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": config.head_lr or lr}]
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     total = max(config.min_steps, math.ceil(config.epochs * steps_per_epoch))
     total = min(total, config.max_steps) if config.max_steps else total
@@ -237,7 +251,7 @@ def _run(
         if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
             last_report = time.perf_counter()
             on_progress({"step": step, "total_steps": total, "loss": running, "dev": last_dev, "seed": seed, "lr": lr})
-        if bad_evals >= config.patience:
+        if bad_evals >= patience:
             break
     bar.close()
     model.load_state_dict(best["state"])  # best-checkpoint restore
@@ -295,7 +309,9 @@ def train_patch(
     max_len = min(config.max_seq_length, encoder.max_positions)
     tok = encoder.tokenizer
     train_f, dev_f = featurize(tok, train, labels, max_len), featurize(tok, dev, labels, max_len)
-    lrs = config.lr_search or [config.lr or (FULL_LR if config.full else BITFIT_LR)]
+    config = config.resolved()
+    assert config.lr is not None
+    lrs = config.lr_search or [config.lr]
     t0 = time.perf_counter()
     runs = [
         _run(encoder, train_f, dev_f, config, kind, n_out, pooling, lr, config.seed + r, on_progress, progress_every_s)
@@ -317,6 +333,7 @@ def train_patch(
         "dev_rows": len(dev),
         "test_rows": len(test) if test else 0,
         "lr": best["lr"],
+        "head_lr": config.head_lr or best["lr"],
         "seed": best["seed"],
         "steps": best["steps"],
         "best_step": best["best_step"],
