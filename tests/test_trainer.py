@@ -222,6 +222,10 @@ def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
             "cpu",
             "--eval-every",
             "20",
+            "--dropout",
+            "0",
+            "--head-lr",
+            "5e-3",
         ]
     )
     assert rc == 0
@@ -232,6 +236,7 @@ def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
     assert summary["patch"]["file"] == str(out) and out.is_file()
     full = json.loads(report.read_text())
     assert full["test"] == summary["test"] and full["history"] and "bias_movement" in full
+    assert (full["config"]["dropout"], full["head_lr"], full["config"]["patience"]) == (0, 5e-3, 40)  # 40: default
     assert main(["eval", "--patch", str(out), "--data", str(test), "--model", str(tiny_bert_dir)]) == 0
     assert json.loads(capsys.readouterr().out)["metrics"] == summary["test"]
     reg = f"disk://{tmp_path}/reg"
