@@ -164,8 +164,10 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
             "| data set | mode | settings that differ | test | dev | runs | min/run | device |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for key in sorted({(r["set"], r["mode"], differences(r), device_of(r)) for r in old}):
-            grp = [r for r in old if (r["set"], r["mode"], differences(r), device_of(r)) == key]
+        groups: dict[tuple[str, str, str, str], list[dict]] = {}
+        for r in old:
+            groups.setdefault((r["set"], r["mode"], differences(r), device_of(r)), []).append(r)
+        for key, grp in sorted(groups.items()):
             test, dev = ([100 * r[k] for r in grp] for k in ("test", "dev"))
             spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
             lines.append(

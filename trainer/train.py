@@ -184,7 +184,6 @@ def _run(
 
     ``config`` is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
     assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
-    patience = config.patience
     torch.manual_seed(seed)
     device = resolve_device(config.device)
     model = TaskModel(copy.deepcopy(encoder.model), nn.Linear(encoder.hidden_size, n_out), kind, pooling).to(device)
@@ -192,7 +191,8 @@ def _run(
         _set_dropout(model.encoder, config.dropout)
     encoder_params, head_params = _trainable(model, config)
     params = encoder_params + head_params
-    groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": config.head_lr or lr}]
+    head_lr = config.head_lr or lr
+    groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     total = max(config.min_steps, math.ceil(config.epochs * steps_per_epoch))
@@ -251,7 +251,7 @@ def _run(
         if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
             last_report = time.perf_counter()
             on_progress({"step": step, "total_steps": total, "loss": running, "dev": last_dev, "seed": seed, "lr": lr})
-        if bad_evals >= patience:
+        if bad_evals >= config.patience:
             break
     bar.close()
     model.load_state_dict(best["state"])  # best-checkpoint restore
@@ -260,6 +260,7 @@ def _run(
         "model": model,
         "seed": seed,
         "lr": lr,
+        "head_lr": head_lr,
         "best_dev": best["metrics"],
         "best_step": best["step"],
         "steps": step,
@@ -333,7 +334,7 @@ def train_patch(
         "dev_rows": len(dev),
         "test_rows": len(test) if test else 0,
         "lr": best["lr"],
-        "head_lr": config.head_lr or best["lr"],
+        "head_lr": best["head_lr"],
         "seed": best["seed"],
         "steps": best["steps"],
         "best_step": best["best_step"],
