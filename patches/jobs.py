@@ -45,7 +45,8 @@ class JobNotFoundError(JobError):
 # Defaults that differ between BitFit and full fine-tuning, filled in by ``TrainConfig.resolved()`` where a field
 # is None; docs/quality.md was measured with them. BitFit's few parameters need a larger rate and longer training,
 # and improve late in the linear decay: with 4 dev evaluations per epoch a patience of 40 lets the 10 epochs run to
-# the end (the best dev checkpoint is still restored), while long min_steps schedules on small data still stop.
+# the end (the best dev checkpoint is still restored). Where min_steps stretches a small data set's run, its epochs
+# (and evaluations) stretch with it, so that holds on small data too (docs/few-sample.md).
 BITFIT_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "epochs": 10.0, "patience": 40}
 FULL_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "epochs": 5.0, "patience": 6}
 
@@ -73,7 +74,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     dropout: float | None = None  # dropout rate in the encoder while training; None: the encoder's own
-    eval_every: int | None = None  # updates between dev evaluations; None: 4 per epoch, at most every 1000
+    eval_every: int | None = None  # updates between dev evaluations; None: 4 per (min_steps-stretched) epoch
     patience: int | None = None  # dev evaluations without improvement before stopping early; None: 40 BitFit, 6 full
     full: bool = False  # fine-tune every weight (report only, for comparison)
     device: str = "auto"

@@ -113,6 +113,19 @@ def test_full_fine_tuning_reports_without_a_patch(tmp_path, tiny_encoder):
     assert result.report["trainable_params"] == result.report["total_params"]
 
 
+def test_small_data_stretched_by_min_steps_evaluates_four_times_per_stretched_epoch(tmp_path, tiny_encoder):
+    # 32 rows at batch 16 are 2 updates an epoch; min_steps stretches 2 epochs to 80 updates, so an epoch of the
+    # run is 40 updates and dev is scored every 10 (not after every update, which let patience end the run early)
+    train, dev = _data(tmp_path, "classification", 32, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=80, epochs=2, eval_every=None))
+    assert [h["step"] for h in result.report["history"]] == list(range(10, 81, 10))
+    assert result.report["steps"] == result.report["planned_steps"] == 80
+    # data large enough for its epochs keeps 4 evaluations per real epoch: 240 rows = 15 updates, every 3
+    train, dev = _data(tmp_path, "classification", 240, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=1, epochs=1, eval_every=None))
+    assert [h["step"] for h in result.report["history"]] == [3, 6, 9, 12, 15]
+
+
 def test_mode_defaults_fill_what_the_config_leaves_open():
     bitfit, full = TrainConfig(task="t").resolved(), TrainConfig(task="t", full=True).resolved()
     assert (bitfit.lr, bitfit.epochs, bitfit.patience) == (3e-3, 10.0, 40)

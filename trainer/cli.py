@@ -67,7 +67,12 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         help="dev evaluations without improvement before stopping early (default 40 for BitFit: its 10 epochs run "
         "to the end; 6 with --full); the best dev checkpoint is kept either way",
     )
-    p.add_argument("--eval-every", type=int, help="updates between dev evaluations (default: 4 per epoch)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        help="updates between dev evaluations (default: 4 per epoch; where --min-steps stretches a small data "
+        "set's run, 4 per stretched epoch, i.e. 40 over a 10-epoch run)",
+    )
     p.add_argument(
         "--dropout", type=float, help="dropout rate in the encoder while training (default: the encoder's own)"
     )

@@ -198,7 +198,11 @@ def _run(
     total = max(config.min_steps, math.ceil(config.epochs * steps_per_epoch))
     total = min(total, config.max_steps) if config.max_steps else total
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
-    eval_every = config.eval_every or max(1, min(1000, steps_per_epoch // 4))
+    # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the epoch
+    # (and the evaluations) stretch with it, so patience always spans the same share of the run and cannot end
+    # it during the warm-up.
+    epoch_steps = max(steps_per_epoch, int(total / config.epochs))
+    eval_every = config.eval_every or max(1, min(1000, epoch_steps // 4))
     pad_id, primary = int(encoder.tokenizer.pad_token_id or 0), PRIMARY[kind]
     rng = random.Random(seed)
     best: dict[str, Any] = {"score": -math.inf, "step": 0, "metrics": {}, "state": None}
@@ -337,6 +341,7 @@ def train_patch(
         "head_lr": best["head_lr"],
         "seed": best["seed"],
         "steps": best["steps"],
+        "planned_steps": best["planned_steps"],
         "best_step": best["best_step"],
         "trainable_params": best["trainable_params"],
         "total_params": sum(p.numel() for p in model.parameters()),

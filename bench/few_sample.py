@@ -1,0 +1,152 @@
+"""How the trainer does on small data, the way a user with a few hundred labelled rows runs it: `patchserve train
+--train FILE` with no --dev, so the dev split is carved from the training rows (10%), and `min_steps` stretches the
+run (Zhang et al., ICLR 2021: train small data long enough). Scored on the set's full test split.
+
+    python bench/few_sample.py                                    # rotten_tomatoes and trec, 256 rows, 5 seeds
+    python bench/few_sample.py --sets trec --sizes 64 256 --seeds 0 1 --set eval_every=3   # try a setting
+
+Seed s draws its rows from the set's train.jsonl (seeded sample) and trains with seed s. Each finished run is
+appended to docs/few-sample-runs.jsonl with its settings (an interrupted benchmark resumes where it stopped);
+docs/few-sample.md is rewritten from all recorded runs after each one, one row per set, size and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.quality import DATA, MODES, ROOT, device_of, device_type, differences, load_runs, parse_overrides, settings
+from patches.encoder import load_encoder, resolve_device
+from patches.jobs import TrainConfig
+from trainer.data import Dataset, load_dataset, split_dev
+from trainer.metrics import PRIMARY
+from trainer.train import train_patch
+
+SETS = ("rotten_tomatoes", "trec", "stsb", "banking77")
+
+
+def sample(train: Dataset, size: int, seed: int) -> Dataset:
+    """``size`` rows of ``train`` drawn with ``seed`` (label set kept whole, as a user's --labels would)."""
+    if size >= len(train):
+        raise SystemExit(f"--sizes {size}: {train.source} has only {len(train)} rows")
+    rows = random.Random(1000 + seed).sample(train.examples, size)
+    return replace(train, examples=rows, source=f"{train.source} ({size} rows, seed {seed})")
+
+
+def write_table(runs: list[dict], path: Path, command: str) -> None:
+    lines = [
+        "# Trainer on small data: a few hundred rows, dev carved from them",
+        "",
+        "Default encoder (all-MiniLM-L6-v2). Each run: N rows sampled from the set's train split, 10% of them "
+        "carved off as dev (what `patchserve train` does without --dev), the rest trained on for at least "
+        "`min_steps` updates; test metric (x100) on the set's full test split, mean ± std over seeds. `steps` is "
+        "how many updates ran before early stopping (of `planned`), `best` the update whose dev score was kept.",
+        "",
+        f"Reproduce with `python bench/few_sample.py` (resumable; `--set KEY=VALUE` for a candidate). Last "
+        f"command: `{command}`.",
+        "",
+        "| data set | rows | mode | settings that differ from today's defaults | test | dev | steps / planned | "
+        "best | runs | min/run | device |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    groups: dict[tuple[str, int, str, str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["set"], r["rows"], r["mode"], differences(r), device_of(r)), []).append(r)
+    for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
+        test = [100 * r["test"] for r in grp]
+        spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
+        dev = statistics.mean(100 * r["dev"] for r in grp)
+        steps = statistics.mean(r["steps"] for r in grp)
+        planned = statistics.mean(r["planned_steps"] for r in grp)
+        best = statistics.mean(r["best_step"] for r in grp)
+        minutes = statistics.mean(r["seconds"] / 60 for r in grp)
+        lines.append(
+            f"| {ds} | {rows} | {mode} | {diff} | {statistics.mean(test):.1f}{spread} | {dev:.1f} | "
+            f"{steps:.0f} / {planned:.0f} | {best:.0f} | {len(grp)} | {minutes:.1f} | {device} |"
+        )
+    notes = sorted({f"{differences(r)}: {r['note']}" for r in runs if r.get("note")})
+    lines += ["", *(f"- {n}" for n in notes)] if notes else []
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", nargs="+", default=["rotten_tomatoes", "trec"], choices=SETS)
+    ap.add_argument("--sizes", nargs="+", type=int, default=[256], help="rows sampled from train (dev included)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    ap.add_argument("--modes", nargs="+", default=["bitfit"], choices=list(MODES))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=str(ROOT / "docs"), help="folder of few-sample-runs.jsonl and few-sample.md")
+    ap.add_argument("--data", default=str(DATA), help="folder of SET/{train,test}.jsonl (default: %(default)s)")
+    ap.add_argument("--note", default="", help="recorded with each run and listed under the table")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="train with this setting instead of the default (repeatable; e.g. --set eval_every=3)",
+    )
+    args = ap.parse_args()
+    overrides = parse_overrides(args.overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs_file, table = out / "few-sample-runs.jsonl", out / "few-sample.md"
+    command = "python bench/few_sample.py " + " ".join(sys.argv[1:])
+    encoder = load_encoder("default")
+    device = resolve_device(args.device)
+    for ds in args.sets:
+        full = load_dataset(Path(args.data) / ds / "train.jsonl")
+        test = load_dataset(Path(args.data) / ds / "test.jsonl", kind=full.kind, labels=full.labels or None)
+        for size in args.sizes:
+            for mode in args.modes:
+                for seed in args.seeds:
+                    config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
+                    wanted = settings(config)
+                    key = (ds, size, mode, seed, device.type)
+                    if any(
+                        (r["set"], r["rows"], r["mode"], r["seed"], device_type(r)) == key and r["settings"] == wanted
+                        for r in load_runs(runs_file)
+                    ):
+                        continue
+                    train, dev = split_dev(sample(full, size, seed), seed=seed)
+                    t0 = time.perf_counter()
+                    report = train_patch(encoder, train, dev, config, test=test).report
+                    metric = PRIMARY[full.kind]
+                    rec = {
+                        "set": ds,
+                        "rows": size,
+                        "mode": mode,
+                        "seed": seed,
+                        "metric": metric,
+                        "test": report["test"][metric],
+                        "dev": report["dev"][metric],
+                        "steps": report["steps"],
+                        "planned_steps": report["planned_steps"],
+                        "best_step": report["best_step"],
+                        "settings": wanted,
+                        "seconds": time.perf_counter() - t0,
+                        "device": device.type,
+                    }
+                    if args.note:
+                        rec["note"] = args.note
+                    if device.type == "cuda":
+                        rec["device_name"] = torch.cuda.get_device_name(device)
+                    with runs_file.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    print(json.dumps(rec), flush=True)
+                    write_table(load_runs(runs_file), table, command)
+
+
+if __name__ == "__main__":
+    main()
