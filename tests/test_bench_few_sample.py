@@ -1,0 +1,36 @@
+"""bench/few_sample.py: the rows a seed draws, and the table that groups runs by set, size and settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.few_sample import sample, write_table
+from bench.quality import default_settings
+from tests.helpers import synthetic_rows, write_jsonl
+from trainer.data import load_dataset
+
+
+def test_a_seed_draws_the_same_rows_and_keeps_the_whole_label_set(tmp_path):
+    full = load_dataset(write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 100, seed=1)))
+    a, b, c = sample(full, 10, 0), sample(full, 10, 0), sample(full, 10, 1)
+    assert len(a) == 10 and a.examples == b.examples and a.examples != c.examples
+    assert a.labels == full.labels and a.kind == full.kind
+    with pytest.raises(SystemExit, match="has only 100 rows"):
+        sample(full, 100, 0)
+
+
+def test_table_groups_runs_by_settings_and_lists_notes(tmp_path):
+    today = default_settings("bitfit")
+    run = {"set": "trec", "rows": 256, "mode": "bitfit", "metric": "accuracy", "planned_steps": 600, "device": "cpu"}
+    runs = [
+        run | {"seed": 0, "test": 0.9, "dev": 0.95, "steps": 600, "best_step": 200, "seconds": 60, "settings": today},
+        run | {"seed": 1, "test": 0.92, "dev": 0.97, "steps": 600, "best_step": 300, "seconds": 60, "settings": today},
+        run
+        | {"seed": 0, "test": 0.8, "dev": 0.9, "steps": 150, "best_step": 30, "seconds": 30, "note": "old schedule"}
+        | {"settings": today | {"eval_every": 3}},
+    ]
+    write_table(runs, tmp_path / "t.md", "cmd")
+    text = (tmp_path / "t.md").read_text()
+    assert "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 96.0 | 600 / 600 | 250 | 2 | 1.0 | cpu |" in text
+    assert "| trec | 256 | bitfit | eval_every=3 | 80.0 | 90.0 | 150 / 600 | 30 | 1 | 0.5 | cpu |" in text
+    assert "- eval_every=3: old schedule" in text
