@@ -13,7 +13,6 @@ docs/few-sample.md is rewritten from all recorded runs after each one, one row p
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -21,18 +20,24 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.quality import DATA, MODES, ROOT, device_of, device_type, differences, load_runs, parse_overrides, settings
+from bench.quality import (
+    MODES,
+    SETS,
+    add_run_arguments,
+    already_run,
+    device_of,
+    differences,
+    parse_overrides,
+    record_run,
+    settings,
+)
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from trainer.data import Dataset, load_dataset, split_dev
 from trainer.metrics import PRIMARY
 from trainer.train import train_patch
-
-SETS = ("rotten_tomatoes", "trec", "stsb", "banking77")
 
 
 def sample(train: Dataset, size: int, seed: int) -> Dataset:
@@ -85,18 +90,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", type=int, default=[256], help="rows sampled from train (dev included)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--modes", nargs="+", default=["bitfit"], choices=list(MODES))
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=str(ROOT / "docs"), help="folder of few-sample-runs.jsonl and few-sample.md")
-    ap.add_argument("--data", default=str(DATA), help="folder of SET/{train,test}.jsonl (default: %(default)s)")
-    ap.add_argument("--note", default="", help="recorded with each run and listed under the table")
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="train with this setting instead of the default (repeatable; e.g. --set eval_every=3)",
-    )
+    add_run_arguments(ap, "few-sample", "eval_every=3")
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
     out = Path(args.out)
@@ -113,11 +107,7 @@ def main() -> None:
                 for seed in args.seeds:
                     config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                     wanted = settings(config)
-                    key = (ds, size, mode, seed, device.type)
-                    if any(
-                        (r["set"], r["rows"], r["mode"], r["seed"], device_type(r)) == key and r["settings"] == wanted
-                        for r in load_runs(runs_file)
-                    ):
+                    if already_run(runs_file, wanted, device, set=ds, rows=size, mode=mode, seed=seed):
                         continue
                     train, dev = split_dev(sample(full, size, seed), seed=seed)
                     t0 = time.perf_counter()
@@ -136,16 +126,8 @@ def main() -> None:
                         "best_step": report["best_step"],
                         "settings": wanted,
                         "seconds": time.perf_counter() - t0,
-                        "device": device.type,
                     }
-                    if args.note:
-                        rec["note"] = args.note
-                    if device.type == "cuda":
-                        rec["device_name"] = torch.cuda.get_device_name(device)
-                    with runs_file.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                    print(json.dumps(rec), flush=True)
-                    write_table(load_runs(runs_file), table, command)
+                    record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
 
 
 if __name__ == "__main__":

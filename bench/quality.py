@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,49 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+def add_run_arguments(ap: argparse.ArgumentParser, records: str, example: str) -> None:
+    """The arguments the benchmarks here share: the device, where data and records live, the note, candidates."""
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=str(ROOT / "docs"), help=f"folder of {records}-runs.jsonl and {records}.md")
+    ap.add_argument("--data", default=str(DATA), help="folder of SET/{train,dev,test}.jsonl (default: %(default)s)")
+    ap.add_argument(
+        "--note", default="", help="how the machine was shared, recorded with each run and shown with its table"
+    )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"train with this setting instead of the default (repeatable; e.g. --set {example}); such runs are "
+        "recorded with their settings and listed apart from runs at today's defaults",
+    )
+
+
+def already_run(runs_file: Path, wanted: dict[str, Any], device: torch.device, **key: Any) -> bool:
+    """Whether ``runs_file`` holds a run with these settings on this kind of device and these fields (set, seed..)."""
+    return any(
+        r.get("settings") == wanted and device_type(r) == device.type and all(r.get(k) == v for k, v in key.items())
+        for r in load_runs(runs_file)
+    )
+
+
+def record_run(
+    rec: dict[str, Any], device: torch.device, note: str, runs_file: Path, rewrite: Callable[[list[dict]], None]
+) -> None:
+    """Add the machine (and the note) to a finished run, append it to ``runs_file``, print it, and ``rewrite`` the
+    table from all recorded runs."""
+    rec["device"] = device.type
+    if device.type == "cuda":
+        rec["device_name"] = torch.cuda.get_device_name(device)
+    if note:
+        rec["note"] = note
+    with runs_file.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(json.dumps(rec), flush=True)
+    rewrite(load_runs(runs_file))
 
 
 def _diff(mean: dict[str, float | None], a: str, b: str) -> str:
@@ -183,21 +227,7 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=str(ROOT / "docs"), help="folder of quality-runs.jsonl and quality.md")
-    ap.add_argument("--data", default=str(DATA), help="folder of SET/{train,dev,test}.jsonl (default: %(default)s)")
-    ap.add_argument(
-        "--note", default="", help="how the machine was shared, recorded with each run and shown under its table"
-    )
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="train with this setting instead of the default (repeatable; e.g. --set dropout=0); such runs are "
-        "recorded with their settings and listed apart from the table of defaults",
-    )
+    add_run_arguments(ap, "quality", "dropout=0")
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
     out = Path(args.out)
@@ -215,12 +245,7 @@ def main() -> None:
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                 wanted = settings(config)
-                done = {
-                    (r["set"], r["mode"], r["seed"], device_type(r))
-                    for r in load_runs(runs_file)
-                    if r.get("settings") == wanted
-                }
-                if (ds, mode, seed, device.type) in done:
+                if already_run(runs_file, wanted, device, set=ds, mode=mode, seed=seed):
                     continue
                 t0 = time.perf_counter()
                 result = train_patch(encoder, train, dev, config, test=test)
@@ -238,16 +263,8 @@ def main() -> None:
                     "settings": wanted,
                     "seconds": time.perf_counter() - t0,
                     "trainable_params": result.report["trainable_params"],
-                    "device": device.type,
                 }
-                if device.type == "cuda":
-                    rec["device_name"] = torch.cuda.get_device_name(device)
-                if args.note:
-                    rec["note"] = args.note
-                with runs_file.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                print(json.dumps(rec), flush=True)
-                write_table(load_runs(runs_file), table, command)
+                record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""bench/few_sample.py: the rows a seed draws, and the table that groups runs by set, size and settings."""
+"""bench/few_sample.py: the rows a seed draws, the table that groups runs by set, size and settings, and the run
+records it shares with bench/quality.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from bench.few_sample import sample, write_table
-from bench.quality import default_settings
+from bench.quality import already_run, default_settings, record_run
 from tests.helpers import synthetic_rows, write_jsonl
 from trainer.data import load_dataset
 
@@ -34,3 +38,17 @@ def test_table_groups_runs_by_settings_and_lists_notes(tmp_path):
     assert "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 96.0 | 600 / 600 | 250 | 2 | 1.0 | cpu |" in text
     assert "| trec | 256 | bitfit | eval_every=3 | 80.0 | 90.0 | 150 / 600 | 30 | 1 | 0.5 | cpu |" in text
     assert "- eval_every=3: old schedule" in text
+
+
+def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys):
+    runs_file, today, cpu = tmp_path / "runs.jsonl", default_settings("bitfit"), torch.device("cpu")
+    seen: list[list[dict]] = []
+    assert not already_run(runs_file, today, cpu, set="trec", rows=256, seed=0)  # no file yet
+    record_run({"set": "trec", "rows": 256, "seed": 0, "settings": today}, cpu, "shared", runs_file, seen.append)
+    rec = json.loads(runs_file.read_text())
+    assert rec["device"] == "cpu" and rec["note"] == "shared" and "device_name" not in rec
+    assert seen == [[rec]] and json.loads(capsys.readouterr().out) == rec
+    assert already_run(runs_file, today, cpu, set="trec", rows=256, seed=0)
+    assert not already_run(runs_file, today, cpu, set="trec", rows=64, seed=0)
+    assert not already_run(runs_file, today | {"eval_every": 3}, cpu, set="trec", rows=256, seed=0)
+    assert not already_run(runs_file, today, torch.device("cuda"), set="trec", rows=256, seed=0)
