@@ -8,9 +8,10 @@ from typing import Any
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
-from patches.jobs import JobError, JobQueue
+from patches.jobs import JobError, JobQueue, TrainConfig
 from server.deps import AdminAuth, ServiceDep
 from server.schemas import ErrorBody
+from trainer.data import DataError, job_splits
 
 router = APIRouter(tags=["jobs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 413, 422, 503)}
@@ -53,8 +54,11 @@ async def submit_job(
         if upload is not None:
             files[role] = (upload.filename or f"{role}.jsonl", await upload.read())
     try:
+        checked = TrainConfig.from_dict(raw)
+        # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
+        await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
         job = await run_in_threadpool(queue.submit, raw, files, gate)
-    except (JobError, TypeError) as exc:
+    except (JobError, DataError, TypeError) as exc:
         raise HTTPException(422, str(exc)) from exc
     return job.to_dict()
 

@@ -210,15 +210,70 @@ def test_job_api_end_to_end(redis_ns, tiny_bert_dir, tiny_encoder):
         assert client.get("/jobs/nope").status_code == 404
 
 
+def test_job_api_refuses_bad_data_at_once_naming_file_and_line(redis_ns, tiny_bert_dir):
+    url, _reg, queue = redis_ns
+    settings = ServerSettings(registry=url, model=str(tiny_bert_dir), device="cpu", slots=2)
+    good_train = ("train.jsonl", _jsonl(synthetic_rows("classification", 40, 1)))
+    with TestClient(create_app(settings)) as client:
+        r = client.post(
+            "/jobs",
+            files={"train": ("reviews.jsonl", b'{"text": "fine", "label": "positive"}\n{"text": "no label"}\n')},
+            data={"config": json.dumps(CONFIG)},
+        )
+        assert r.status_code == 422 and "train file 'reviews.jsonl':2: missing \"label\"" in r.json()["detail"]
+        r = client.post(
+            "/jobs",
+            files={"train": good_train, "dev": ("dev.csv", b"text,label\ngreat,positive\nawful,neutral\n")},
+            data={"config": json.dumps(CONFIG)},
+        )
+        assert r.status_code == 422, r.text
+        assert "dev file 'dev.csv': labels ['neutral'] are not among the task's labels" in r.json()["detail"]
+        r = client.post(
+            "/jobs", files={"train": good_train}, data={"config": json.dumps(CONFIG | {"kind": "regression"})}
+        )
+        assert r.status_code == 422 and "is not a number (this is a regression task)" in r.json()["detail"]
+    assert queue.list() == [], "a refused job must not be queued"
+
+
+def test_cli_submit_checks_the_data_before_queueing(redis_ns, tmp_path, tiny_encoder, capsys, monkeypatch):
+    from patches.cli import main
+
+    url, reg, queue = redis_ns
+    monkeypatch.setenv("PATCHSERVE_QUEUE", url)
+    train, dev, bad = tmp_path / "train.jsonl", tmp_path / "dev.jsonl", tmp_path / "bad.jsonl"
+    train.write_bytes(_jsonl(synthetic_rows("classification", 200, 1)))
+    dev.write_bytes(_jsonl(synthetic_rows("classification", 50, 2)))
+    bad.write_text('{"text": "fine", "label": "positive"}\n{"text": 5, "label": "negative"}\n')
+    argv = ["submit", "--task", "sent", "--min-steps", "300", "--epochs", "1", "--lr", "1e-2", "--pooling", "mean"]
+
+    assert main([*argv, "--train", str(bad)]) == 1
+    assert "train file 'bad.jsonl':2: missing or empty \"text\"" in capsys.readouterr().err
+    assert main([*argv, "--train", str(tmp_path / "missing.jsonl")]) == 1
+    assert "missing.jsonl: cannot read" in capsys.readouterr().err
+    assert main([*argv, "--train", str(train), "--kind", "regression"]) == 1  # --kind reaches the job's check
+    assert "is not a number (this is a regression task)" in capsys.readouterr().err
+    assert queue.list() == []
+
+    assert main([*argv, "--train", str(train), "--dev", str(dev), "--min-dev", "0.5"]) == 0
+    job_id = json.loads(capsys.readouterr().out)["id"]
+    assert main(["jobs"]) == 0
+    assert f"{job_id}\tsent\tqueued" in capsys.readouterr().out
+    Worker(queue, reg, tiny_encoder, block_s=0.2).run(max_jobs=1)
+    assert main(["jobs", job_id]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["status"] == "succeeded" and shown["gate"]["min_dev"] == 0.5 and shown["result"]["version"] == 1
+
+    scores = tmp_path / "scores.jsonl"  # integer scores are read as classes unless --kind says regression
+    scores.write_bytes(_jsonl({"text": f"row {i}", "label": i % 5} for i in range(40)))
+    assert main([*argv, "--train", str(scores), "--kind", "regression"]) == 0
+    assert queue.get(json.loads(capsys.readouterr().out)["id"]).config["kind"] == "regression"
+
+
 def test_job_api_without_redis_says_what_to_set(tmp_path, tiny_bert_dir):
     settings = ServerSettings(registry=f"disk://{tmp_path}/reg", model=str(tiny_bert_dir), device="cpu", slots=2)
     with TestClient(create_app(settings)) as client:
         r = client.get("/jobs")
         assert r.status_code == 503 and "PATCHSERVE_QUEUE" in r.json()["detail"]
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
 
 
 def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
@@ -246,3 +301,7 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
     assert {d.worker for d in done} == {"w0", "w1"}
     assert reg.tasks() == [f"task{i}" for i in range(4)]
     assert all([v.version for v in reg.versions(f"task{i}")] == [1] for i in range(4))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

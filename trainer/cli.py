@@ -87,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The TrainConfig fields the options give (JSON-able, so jobs can carry it)."""
     cfg = {
         "task": args.task,
+        "kind": args.kind,
         "bias_subset": args.bias_subset,
         "epochs": args.epochs,
         "min_steps": args.min_steps,
@@ -132,20 +133,18 @@ def progress_logger(every_s: float = 30.0) -> Any:
 def _train(args: argparse.Namespace) -> int:
     from patches.encoder import load_encoder
     from patches.jobs import TrainConfig
-    from trainer.data import load_dataset, split_dev
+    from trainer.data import DataFile, load_splits
     from trainer.report import write_json, write_png
     from trainer.train import train_patch
 
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
         return 2
-    train = load_dataset(args.train, kind=args.kind)
-    if args.dev:
-        dev = load_dataset(args.dev, kind=train.kind, labels=train.labels or None)
-    else:
-        train, dev = split_dev(train, seed=args.seed)
+    dev_file, test_file = (DataFile.read(f) if f else None for f in (args.dev, args.test))
+    splits = load_splits(DataFile.read(args.train), dev_file, test_file, kind=args.kind, seed=args.seed)
+    train, dev, test = splits.train, splits.dev, splits.test
+    if splits.dev_carved:
         print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
-    test = load_dataset(args.test, kind=train.kind, labels=train.labels or None) if args.test else None
     encoder = load_encoder(args.model)
     config = TrainConfig.from_dict(config_from_args(args) | {"device": args.device})
     progress = None if sys.stderr.isatty() else progress_logger()
@@ -242,15 +241,19 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from patches.jobs import JobQueue
+    from patches.jobs import JobQueue, TrainConfig
+    from trainer.data import DataFile, job_splits
 
     files = {}
     for role in ("train", "dev", "test"):
         path = getattr(args, role)
         if path:
-            files[role] = (Path(path).name, Path(path).read_bytes())
+            files[role] = (Path(path).name, DataFile.read(path).data)
+    config = config_from_args(args)
+    checked = TrainConfig.from_dict(config)
+    job_splits(files, kind=checked.kind, seed=checked.seed)  # bad data is refused here, not later in a worker
     gate = {"min_dev": args.min_dev, "not_worse": args.not_worse}
-    job = JobQueue(_queue_url(args)).submit(config_from_args(args), files, gate)
+    job = JobQueue(_queue_url(args)).submit(config, files, gate)
     print(json.dumps({"id": job.id, "task": job.task, "status": job.status}))
     return 0
 

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,11 @@ class Dataset:
         return len(self.examples)
 
 
-def _rows(path: Path, data: bytes) -> list[tuple[int, dict[str, Any]]]:
+def _rows(where: str, suffix: str, data: bytes) -> list[tuple[int, dict[str, Any]]]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
-    suffix = path.suffix.lower()
+        raise DataError(f"{where}: not UTF-8 text ({exc})") from exc
     if suffix in (".csv", ".tsv"):
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",")
         return [(i + 2, dict(row)) for i, row in enumerate(reader)]  # line 1 is the header
@@ -71,10 +71,10 @@ def _rows(path: Path, data: bytes) -> list[tuple[int, dict[str, Any]]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            errors.append(f"{path}:{i}: not valid JSON ({exc.msg})")
+            errors.append(f"{where}:{i}: not valid JSON ({exc.msg})")
             continue
         if not isinstance(obj, dict):
-            errors.append(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
+            errors.append(f"{where}:{i}: expected a JSON object, got {type(obj).__name__}")
             continue
         rows.append((i, obj))
     _raise(errors)
@@ -109,16 +109,35 @@ def infer_kind(rows: list[tuple[int, dict[str, Any]]]) -> str:
     return "classification"
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """A data file's bytes; its name's suffix picks the reader (.csv, .tsv, else JSONL), and errors call it
+    ``where`` (default: the name), e.g. "train file 'reviews.csv'" for an upload."""
+
+    name: str
+    data: bytes
+    where: str = ""
+
+    @classmethod
+    def read(cls, path: str | Path, where: str | None = None) -> DataFile:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise DataError(f"{where or path}: cannot read ({exc.strerror})") from exc
+        return cls(str(path), data, where or str(path))
+
+
 def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
     """Read and validate a data file. ``labels`` fixes the label order (else sorted labels of the file)."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-    rows = _rows(path, data)
+    return parse_dataset(DataFile.read(path), kind, labels)
+
+
+def parse_dataset(file: DataFile, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
+    """Validate a data file's rows (see ``load_dataset``)."""
+    where = file.where or file.name
+    rows = _rows(where, Path(file.name).suffix.lower(), file.data)
     if not rows:
-        raise DataError(f"{path}: no examples")
+        raise DataError(f"{where}: no examples")
     if kind is not None and kind not in KINDS:
         raise DataError(f"unknown kind {kind!r}; choose one of {list(KINDS)}")
     kind = kind or infer_kind(rows)
@@ -127,12 +146,12 @@ def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | 
         try:
             examples.append(_example(row, kind))
         except ValueError as exc:
-            errors.append(f"{path}:{line}: {exc}")
+            errors.append(f"{where}:{line}: {exc}")
     _raise(errors)
     pairs = {e.text_pair is not None for e in examples}
     if len(pairs) > 1:
         first = next(line for (line, _), e in zip(rows, examples, strict=True) if e.text_pair is None)
-        raise DataError(f"{path}:{first}: some rows have text_pair and some do not; a file is all pairs or none")
+        raise DataError(f"{where}:{first}: some rows have text_pair and some do not; a file is all pairs or none")
     found = sorted(
         {t for e in examples for t in e.tags}
         if kind == "token-classification"
@@ -143,11 +162,44 @@ def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | 
     if labels is not None and kind != "regression":
         unknown = sorted(set(found) - set(labels))
         if unknown:
-            raise DataError(f"{path}: labels {unknown[:10]} are not among the task's labels {labels[:20]}")
+            raise DataError(f"{where}: labels {unknown[:10]} are not among the task's labels {labels[:20]}")
         found = list(labels)
     if kind == "classification" and len(found) < 2:
-        raise DataError(f"{path}: a classification task needs at least 2 distinct labels, found {found}")
-    return Dataset(kind=kind, examples=examples, source=str(path), labels=found)
+        raise DataError(f"{where}: a classification task needs at least 2 distinct labels, found {found}")
+    return Dataset(kind=kind, examples=examples, source=where, labels=found)
+
+
+@dataclass
+class Splits:
+    train: Dataset
+    dev: Dataset
+    test: Dataset | None
+    dev_carved: bool  # no dev file: dev is 10% of train (split_dev)
+
+
+def load_splits(
+    train: DataFile, dev: DataFile | None = None, test: DataFile | None = None, kind: str | None = None, seed: int = 0
+) -> Splits:
+    """Train, dev and test of one task, as ``patchserve train``, ``submit``, ``POST /jobs`` and the worker read
+    them: dev and test must have train's kind and labels; without a dev file, dev is carved from train."""
+    train_ds = parse_dataset(train, kind=kind)
+    labels = train_ds.labels or None
+    if dev is not None:
+        dev_ds = parse_dataset(dev, kind=train_ds.kind, labels=labels)
+    else:
+        train_ds, dev_ds = split_dev(train_ds, seed=seed)
+    test_ds = parse_dataset(test, kind=train_ds.kind, labels=labels) if test is not None else None
+    return Splits(train_ds, dev_ds, test_ds, dev is None)
+
+
+def job_splits(files: Mapping[str, tuple[str, bytes]], kind: str | None = None, seed: int = 0) -> Splits:
+    """``load_splits`` for a training job's uploads (role -> (file name, bytes)); errors name the role and the
+    uploaded file, e.g. "train file 'reviews.jsonl':7: missing \"label\"". Checked when a job is submitted, so
+    bad data is refused at once instead of failing later in a worker, and again by the worker."""
+    named = {role: DataFile(name, data, f"{role} file {name!r}") for role, (name, data) in files.items()}
+    if "train" not in named:
+        raise DataError("a training job needs a 'train' data file")
+    return load_splits(named["train"], named.get("dev"), named.get("test"), kind=kind, seed=seed)
 
 
 def _example(row: dict[str, Any], kind: str) -> Example:

@@ -10,11 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from patches.encoder import Encoder
@@ -22,7 +20,7 @@ from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFou
 from patches.format import Patch
 from patches.jobs import TERMINAL, Gate, Job, JobQueue, TrainConfig
 from patches.store import Registry
-from trainer.data import DataError, load_dataset, split_dev
+from trainer.data import DataError, Dataset, job_splits
 from trainer.metrics import PRIMARY
 from trainer.train import progress_line, train_patch
 
@@ -162,32 +160,15 @@ class Worker:
         self.queue.stash_patch(job.id, result.patch.data, result.patch.patch_id)
         return "succeeded", {"result": summary | self._register_once(result.patch)}
 
-    def _datasets(self, job: Job, config: TrainConfig) -> tuple[Any, Any, Any]:
-        with tempfile.TemporaryDirectory(prefix=f"patchserve-job-{job.id}-") as tmp:
-            paths = {}
-            for role, name in job.files.items():
-                data = self.queue.file(job.id, role)
-                if data is None:
-                    raise DataError(f"the {role} file of job {job.id} is gone from the queue")
-                paths[role] = Path(tmp) / f"{role}{Path(name).suffix}"
-                paths[role].write_bytes(data)
-            try:
-                train = load_dataset(paths["train"], kind=config.kind)
-                if "dev" in paths:
-                    dev = load_dataset(paths["dev"], kind=train.kind, labels=train.labels or None)
-                else:
-                    train, dev = split_dev(train, seed=config.seed)
-                test = (
-                    load_dataset(paths["test"], kind=train.kind, labels=train.labels or None)
-                    if "test" in paths
-                    else None
-                )
-            except DataError as exc:  # name the uploaded file, not the temporary copy
-                msg = str(exc)
-                for role, path in paths.items():
-                    msg = msg.replace(str(path), f"{role} file {job.files[role]!r}")
-                raise DataError(msg) from exc
-        return train, dev, test
+    def _datasets(self, job: Job, config: TrainConfig) -> tuple[Dataset, Dataset, Dataset | None]:
+        files = {}
+        for role, name in job.files.items():
+            data = self.queue.file(job.id, role)
+            if data is None:
+                raise DataError(f"the {role} file of job {job.id} is gone from the queue")
+            files[role] = (name, data)
+        splits = job_splits(files, kind=config.kind, seed=config.seed)
+        return splits.train, splits.dev, splits.test
 
     def _gate(self, gate: Gate, task: str, score: float, primary: str) -> str | None:
         if gate.min_dev is not None and score < gate.min_dev:
