@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from importlib.metadata import entry_points
-from pathlib import Path
 from typing import Any
 
 from patches.errors import PatchServeError
@@ -55,18 +54,7 @@ def patch_summary(patch: Any) -> dict[str, Any]:
 def _inspect(args: argparse.Namespace) -> int:
     from patches.format import Patch
 
-    path = Path(args.file)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        print(f"error: cannot read {path}: {exc.strerror}", file=sys.stderr)
-        return 1
-    try:
-        patch = Patch.from_bytes(data, max_bytes=args.max_bytes)
-    except PatchServeError as exc:
-        print(f"error: {path} is not a valid patch: {exc}", file=sys.stderr)
-        return 1
-    info = patch_summary(patch)
+    info = patch_summary(Patch.read(args.file, max_bytes=args.max_bytes))  # an invalid file: exit 1 with why
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -96,7 +84,7 @@ def _register(args: argparse.Namespace) -> int:
     from patches.format import Patch
     from patches.store import open_registry
 
-    patch = Patch.from_bytes(Path(args.file).read_bytes())
+    patch = Patch.read(args.file)
     info = open_registry(args.registry).put(patch)
     print(f"registered {info.task} v{info.version} ({info.patch_id})")
     return 0

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from patches.errors import (
     FingerprintMismatchError,
     InvalidTaskNameError,
     PatchCorruptError,
+    PatchError,
     PatchKeysError,
     PatchMetadataError,
     PatchShapeError,
@@ -265,6 +267,18 @@ class Patch:
             )
         biases = {k[len(BIAS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(BIAS_PREFIX)}
         return cls(meta=meta, biases=biases, head_weight=tensors[HEAD_WEIGHT], head_bias=tensors[HEAD_BIAS])
+
+    @classmethod
+    def read(cls, path: str | Path, *, max_bytes: int = DEFAULT_MAX_PATCH_BYTES) -> Patch:
+        """``from_bytes`` of a file; a :class:`PatchError` that names the file when it cannot be read or used."""
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise PatchError(f"cannot read {path}: {exc.strerror}") from exc
+        try:
+            return cls.from_bytes(data, max_bytes=max_bytes)
+        except PatchError as exc:
+            raise PatchError(f"{path} is not a valid patch: {exc}") from exc
 
     # --- validation --------------------------------------------------------------------------------------
     def _check_tensors(self) -> None:

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from patches.encoder import Encoder, load_encoder
 from patches.store import Registry
 from patches.store.disk import DiskRegistry
 from patches.store.redis import RedisRegistry
-from tests.helpers import make_tiny_bert_folder
+from tests.helpers import make_tiny_bert_folder, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -43,38 +38,13 @@ def minilm() -> Encoder:
     return load_encoder("default")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real, throwaway redis-server on a free port (never fakeredis)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does this)")
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-    client.close()
+    try:
+        proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     yield url
     proc.terminate()
     proc.wait(timeout=10)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import socket
+import subprocess
+import time
 from pathlib import Path
 
+import redis
 import torch
 from transformers import BertConfig, BertModel, BertTokenizerFast
 
@@ -164,3 +169,40 @@ def synthetic_rows(kind: str, n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_redis(workdir: Path, *options: str) -> tuple[subprocess.Popen, str]:
+    """A real, throwaway redis-server on a free port (never fakeredis), with extra ``options`` such as
+    ``"--maxmemory", "1"``; returns the process (the caller stops it) and its URL once it answers."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does this)")
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args += ["--dir", str(workdir)]
+    proc = subprocess.Popen(
+        [*args, *options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            try:
+                client.ping()
+                return proc, url
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.05)
+    finally:
+        client.close()

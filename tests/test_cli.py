@@ -30,6 +30,11 @@ def test_inspect_refuses_invalid_files_with_the_reason(tmp_path, tiny_encoder, c
     assert "truncated" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 1
     assert "cannot read" in capsys.readouterr().err
+    # every command that takes a patch file says the same, without a traceback
+    assert main(["register", str(f), "--registry", f"disk://{tmp_path}/reg"]) == 1
+    assert f"{f} is not a valid patch" in capsys.readouterr().err
+    assert main(["eval", "--patch", str(tmp_path / "missing.safetensors"), "--data", str(f)]) == 1
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_register_and_list_tasks(tmp_path, tiny_encoder, capsys):

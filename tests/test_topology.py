@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import synthetic_rows
+from tests.helpers import free_port, synthetic_rows
 
 TOKEN = "topology-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -30,12 +29,6 @@ JOB = {
     "eval_every": 50,
     "patience": 100,
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(pred, timeout: float, what: str):
@@ -66,7 +59,7 @@ def topology(redis_url, tiny_bert_dir, tmp_path) -> Iterator[tuple[list[str], st
     procs, bases = [], []
     try:
         for i in range(2):
-            port = _free_port()
+            port = free_port()
             log = open(tmp_path / f"server{i}.log", "w")  # noqa: SIM115 - closed with the process
             procs.append(
                 subprocess.Popen(

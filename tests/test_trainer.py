@@ -6,13 +6,14 @@ import copy
 import json
 
 import pytest
+import redis
 import torch
 
 from patches.bitfit import bias_parameters, target_names
 from patches.format import Patch
 from patches.jobs import JobError, TrainConfig
 from patches.model import TaskModel
-from tests.helpers import synthetic_rows, write_jsonl
+from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
 from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
 from trainer.data import DataError, load_dataset, split_dev
 from trainer.train import evaluate, featurize, train_patch
@@ -282,3 +283,44 @@ def test_progress_is_reported_between_evaluations(tmp_path, tiny_encoder):
     )
     assert [c["step"] for c in calls] == list(range(1, 31))
     assert calls[0]["dev"] is None and calls[-1]["dev"] is not None  # the only evaluation is at the last step
+
+
+def test_cli_train_checks_where_the_patch_goes_first_and_never_loses_a_trained_patch(
+    tmp_path, tiny_bert_dir, capsys, monkeypatch
+):
+    from patches.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 60, seed=1))
+    argv = ["train", "--task", "sent", "--train", str(train), "--model", str(tiny_bert_dir), "--device", "cpu"]
+    argv += ["--min-steps", "5"]
+    # an unreachable registry or a missing folder is refused before any training
+    assert main([*argv, "--registry", f"redis://127.0.0.1:{free_port()}/0"]) == 1
+    err = capsys.readouterr().err
+    assert "unreachable" in err and "step " not in err, err
+    assert main([*argv, "--report", str(tmp_path / "no" / "report.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--report" in err and "does not exist" in err and "step " not in err
+    assert not (tmp_path / "sent.safetensors").exists()
+
+    # a registry that answers but refuses the write (a full Redis): the trained patch is saved in a file
+    proc, url = start_redis(tmp_path, "--maxmemory", "1", "--maxmemory-policy", "noeviction")
+    try:
+        assert main([*argv, "--registry", url]) == 1
+        captured = capsys.readouterr()
+        assert "trained but not registered" in captured.err and "maxmemory" in captured.err
+        assert f"patchserve register sent.safetensors --registry {url}" in captured.err
+        saved = Patch.read("sent.safetensors")
+        assert json.loads(captured.out)["patch"]["patch_id"] == saved.patch_id
+        # the command it suggests works once the registry takes writes again
+        redis.Redis.from_url(url).config_set("maxmemory", 0)
+        assert main(["register", "sent.safetensors", "--registry", url]) == 0
+        assert f"registered sent v1 ({saved.patch_id})" in capsys.readouterr().out
+        # --registry and --out together do both
+        assert main([*argv, "--registry", url, "--out", "copy.safetensors"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["registered"]["version"] == 2
+        assert summary["registered"]["patch_id"] == Patch.read("copy.safetensors").patch_id
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

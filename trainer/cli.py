@@ -140,33 +140,59 @@ def _train(args: argparse.Namespace) -> int:
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
         return 2
+    config = TrainConfig.from_dict(config_from_args(args) | {"device": args.device})
     dev_file, test_file = (DataFile.read(f) if f else None for f in (args.dev, args.test))
     splits = load_splits(DataFile.read(args.train), dev_file, test_file, kind=args.kind, seed=args.seed)
     train, dev, test = splits.train, splits.dev, splits.test
     if splits.dev_carved:
         print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
+    # Everything the end of the run needs is checked before it starts, so no training is thrown away.
+    out = None if args.full or (args.registry_given and not args.out) else Path(args.out or f"{args.task}.safetensors")
+    for role, target in (("--out", out), ("--report", Path(args.report) if args.report else None)):
+        if target is not None and not target.resolve().parent.is_dir():
+            print(f"error: {role} {target}: the folder {target.resolve().parent} does not exist", file=sys.stderr)
+            return 2
+    registry = None
+    if args.registry_given and not args.full:
+        from patches.store import open_registry
+
+        registry = open_registry(args.registry)
+        registry.ping()
     encoder = load_encoder(args.model)
-    config = TrainConfig.from_dict(config_from_args(args) | {"device": args.device})
     progress = None if sys.stderr.isatty() else progress_logger()
     result = train_patch(encoder, train, dev, config, test=test, on_progress=progress)
     report = result.report
+    summary = {k: report[k] for k in SUMMARY_KEYS} | {"dev": report["dev"], "test": report.get("test")}
+    code = 0 if result.patch is None else _deliver(result.patch, out, registry, args, summary)  # the patch first
     if args.report:
         path = Path(args.report)
         write_json(path, report)
         if write_png(path.with_suffix(".png"), report):
             print(f"report: {path} and {path.with_suffix('.png')}", file=sys.stderr)
-    summary = {k: report[k] for k in SUMMARY_KEYS} | {"dev": report["dev"], "test": report.get("test")}
-    if result.patch is not None:
-        if args.registry_given:
-            from patches.store import open_registry
-
-            info = open_registry(args.registry).put(result.patch)
-            summary["registered"] = {"registry": args.registry, "version": info.version, "patch_id": info.patch_id}
-        else:
-            out = Path(args.out or f"{args.task}.safetensors")
-            _write_patch(out, result.patch.data)
-            summary["patch"] = {"file": str(out), "patch_id": result.patch.patch_id, "bytes": len(result.patch.data)}
     print(json.dumps(summary, indent=2))
+    return code
+
+
+def _deliver(patch: Any, out: Path | None, registry: Any, args: argparse.Namespace, summary: dict[str, Any]) -> int:
+    """Write the trained patch to ``out`` and/or register it; if registering fails, keep it in a file."""
+    if out is not None:
+        _write_patch(out, patch.data)
+        summary["patch"] = {"file": str(out), "patch_id": patch.patch_id, "bytes": len(patch.data)}
+    if registry is None:
+        return 0
+    try:
+        info = registry.put(patch)
+    except Exception as exc:  # the registry went away, a full disk or Redis...: whatever it is, keep the patch
+        if out is None:
+            out = Path(f"{args.task}.safetensors")
+            _deliver(patch, out, None, args, summary)
+        print(
+            f"error: the patch was trained but not registered: {exc}\nIt is saved in {out}; register it with: "
+            f"patchserve register {out} --registry {args.registry}",
+            file=sys.stderr,
+        )
+        return 1
+    summary["registered"] = {"registry": args.registry, "version": info.version, "patch_id": info.patch_id}
     return 0
 
 
@@ -179,7 +205,7 @@ def _eval(args: argparse.Namespace) -> int:
     from trainer.data import load_dataset
     from trainer.train import evaluate, featurize
 
-    patch = Patch.from_bytes(Path(args.patch).read_bytes())
+    patch = Patch.read(args.patch)
     encoder = load_encoder(args.model)
     patch.check_compatible(encoder.spec)
     meta = patch.meta
@@ -298,7 +324,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         "--registry",
         action=_RegistryGiven,
         default=None,
-        help="register the patch as the task's new version in this registry instead of writing a file",
+        help="register the patch as the task's new version in this registry (checked before training starts) "
+        "instead of writing a file; with --out as well, do both. If registering fails, the patch is saved to "
+        "--out or TASK.safetensors",
     )
     p.add_argument("--report", help="write the JSON report here, and a PNG (learning curve + bias heatmap) beside it")
     p.add_argument("--model", default="default", help="base encoder: 'default', a local HF folder or a hub id")
