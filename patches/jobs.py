@@ -23,9 +23,9 @@ from typing import Any
 import redis
 
 from patches.bitfit import BIAS_SUBSETS
-from patches.errors import PatchServeError, RegistryUnavailableError
+from patches.errors import PatchServeError
 from patches.format import POOLINGS, validate_task_name
-from patches.store.redis import parse_redis_url
+from patches.store.redis import call_redis, parse_redis_url
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
 
 JOB_FILES = ("train", "dev", "test")
@@ -190,10 +190,7 @@ class JobQueue:
         self.max_file_bytes = max_file_bytes
 
     def _call(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RegistryUnavailableError(f"job queue at {self.url} is unreachable: {exc}") from exc
+        return call_redis(fn, f"job queue at {self.url}")
 
     # --- producers -----------------------------------------------------------------------------------------
     def submit(

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 import uuid
 
 import pytest
+import redis
 import torch
 from fastapi.testclient import TestClient
 
 from patches.model import TaskModel
 from server.app import create_app
 from server.settings import ServerSettings
-from tests.helpers import make_patch
+from tests.helpers import make_patch, start_redis, synthetic_rows
 
 
 def settings_for(registry: str, model_dir, **kw) -> ServerSettings:
@@ -302,3 +304,24 @@ def test_two_replicas_share_a_redis_registry(make_client, redis_url, tiny_encode
     while b.post("/tasks/shared/predict", json={"inputs": "good"}).status_code != 404:
         assert time.monotonic() < deadline, "replica b still serves a deleted task"
         time.sleep(0.02)
+
+
+def test_a_redis_that_refuses_writes_is_a_503_that_says_why(make_client, tiny_encoder, tmp_path):
+    """A real redis-server out of memory answers reads but refuses writes: registering a patch or queueing a job
+    is a 503 naming the cause (not a 500), reads go on, and writes work again once Redis has room."""
+    proc, url = start_redis(tmp_path, "--maxmemory", "1", "--maxmemory-policy", "noeviction")
+    try:
+        client = make_client(url)
+        patch = make_patch(tiny_encoder)
+        r = upload(client, patch)
+        assert r.status_code == 503 and "refuses writes" in r.json()["detail"]
+        assert "out of memory: raise its maxmemory" in r.json()["detail"]
+        assert client.get("/tasks").status_code == 200 and client.get("/tasks").json() == []
+        rows = "".join(json.dumps(row) + "\n" for row in synthetic_rows("classification", 20, 1))
+        r = client.post("/jobs", files={"train": ("t.jsonl", rows.encode())}, data={"config": '{"task": "t"}'})
+        assert r.status_code == 503 and "job queue at" in r.json()["detail"] and "out of memory" in r.json()["detail"]
+        redis.Redis.from_url(url).config_set("maxmemory", 0)
+        assert upload(client, patch).status_code == 201
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

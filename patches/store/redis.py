@@ -32,6 +32,31 @@ def parse_redis_url(url: str) -> tuple[str, str]:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
 
 
+def _refusal_hint(exc: redis.ResponseError) -> str | None:
+    """What to do about a Redis that answers but refuses writes; None for any other error."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return "it is out of memory: raise its maxmemory or free memory"
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return "it is a read-only replica: point the URL at the primary"
+    if "MISCONF" in str(exc):  # (in a pipeline the text comes after "Command # n ... caused error: ")
+        return "it cannot save to disk: check its disk and logs"
+    return None
+
+
+def call_redis(fn: Callable[[], T], what: str) -> T:
+    """``fn()``, with Redis being unreachable or refusing writes raised as RegistryUnavailableError (503 in the
+    server) naming ``what`` ("Redis registry at URL") and what to do."""
+    try:
+        return fn()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise RegistryUnavailableError(f"{what} is unreachable: {exc}") from exc
+    except redis.ResponseError as exc:
+        hint = _refusal_hint(exc)
+        if hint is None:
+            raise
+        raise RegistryUnavailableError(f"{what} refuses writes ({exc}); {hint}") from exc
+
+
 class RedisRegistry(Registry):
     """Registry in Redis (``redis://host:port/db``; add ``?prefix=name:`` to change the key prefix)."""
 
@@ -44,10 +69,7 @@ class RedisRegistry(Registry):
         self._pubsub_lock = threading.Lock()
 
     def _call(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RegistryUnavailableError(f"Redis registry at {self.url} is unreachable: {exc}") from exc
+        return call_redis(fn, f"Redis registry at {self.url}")
 
     def _transaction(self, fn: Callable[[Any], T], *watched: str) -> T:
         """Run ``fn(pipe)`` under WATCH on ``watched``, retrying on a conflicting write; return its value."""
