@@ -112,19 +112,19 @@ def infer_kind(rows: list[tuple[int, dict[str, Any]]]) -> str:
 @dataclass(frozen=True)
 class DataFile:
     """A data file's bytes; its name's suffix picks the reader (.csv, .tsv, else JSONL), and errors call it
-    ``where`` (default: the name), e.g. "train file 'reviews.csv'" for an upload."""
+    ``where``: its path, or e.g. "train file 'reviews.csv'" for an upload."""
 
     name: str
     data: bytes
-    where: str = ""
+    where: str
 
     @classmethod
-    def read(cls, path: str | Path, where: str | None = None) -> DataFile:
+    def read(cls, path: str | Path) -> DataFile:
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
-            raise DataError(f"{where or path}: cannot read ({exc.strerror})") from exc
-        return cls(str(path), data, where or str(path))
+            raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
+        return cls(str(path), data, str(path))
 
 
 def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
@@ -134,7 +134,7 @@ def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | 
 
 def parse_dataset(file: DataFile, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
     """Validate a data file's rows (see ``load_dataset``)."""
-    where = file.where or file.name
+    where = file.where
     rows = _rows(where, Path(file.name).suffix.lower(), file.data)
     if not rows:
         raise DataError(f"{where}: no examples")
