@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
-from trainer.data import load_dataset
+from trainer.data import DataFile, load_splits
 from trainer.metrics import PRIMARY
 from trainer.train import train_patch
 
@@ -238,9 +238,8 @@ def main() -> None:
     device = resolve_device(args.device)
     data = Path(args.data)
     for ds in args.sets:
-        train = load_dataset(data / ds / "train.jsonl")
-        dev = load_dataset(data / ds / "dev.jsonl", kind=train.kind, labels=train.labels or None)
-        test = load_dataset(data / ds / "test.jsonl", kind=train.kind, labels=train.labels or None)
+        train, dev, test = (DataFile.read(data / ds / f"{split}.jsonl") for split in ("train", "dev", "test"))
+        splits = load_splits(train, dev, test)  # as `patchserve train --train … --dev … --test …` reads them
         for mode in args.modes:
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
@@ -248,8 +247,8 @@ def main() -> None:
                 if already_run(runs_file, wanted, device, set=ds, mode=mode, seed=seed):
                     continue
                 t0 = time.perf_counter()
-                result = train_patch(encoder, train, dev, config, test=test)
-                metric = PRIMARY[train.kind]
+                result = train_patch(encoder, splits.train, splits.dev, config, test=splits.test)
+                metric = PRIMARY[splits.train.kind]
                 rec = {
                     "set": ds,
                     "mode": mode,
