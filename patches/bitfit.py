@@ -95,10 +95,10 @@ def _rules(encoder: nn.Module) -> dict[str, str]:
 def bias_roles(encoder: nn.Module) -> dict[str, BiasRole]:
     """Map each bias parameter name to its role; biases no rule names are left out."""
     out: dict[str, BiasRole] = {}
-    compiled = {role: re.compile(rx + "$") for role, rx in _rules(encoder).items()}
+    compiled = {role: re.compile(rx) for role, rx in _rules(encoder).items()}
     for name in bias_parameters(encoder):
         for role, rx in compiled.items():
-            m = rx.match(name)
+            m = rx.fullmatch(name)
             if m:
                 out[name] = BiasRole(role, int(m.group(1)) if m.groups() else None)
                 break

@@ -20,6 +20,7 @@ import json
 import math
 import re
 import struct
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -54,25 +55,88 @@ BIAS_PREFIX = "bias."
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
 DEFAULT_MAX_PATCH_BYTES = 64 * 1024 * 1024
-_MAX_HEADER_BYTES = 8 * 1024 * 1024
+_MAX_HEADER_BYTES = 1024 * 1024
+_MAX_TENSORS = 4096  # BERT-large with every bias is ~400
 
 KINDS = ("classification", "regression", "token-classification")
 POOLINGS = ("mean", "cls", "pooler")
-TASK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TASK_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: "$" would allow a final "\n"
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that quote what a client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def unprintable(text: str) -> str | None:
+    """The first control character or lone surrogate in ``text`` (as a ``U+XXXX`` string), or None.
+
+    Names (tasks, labels, uploaded files) become file names, Redis keys, log lines and JSON; none of them may
+    carry a newline, a NUL or half of a UTF-16 pair.
+    """
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            return f"U+{ord(ch):04X}"
+    return None
 
 
 def validate_task_name(name: str) -> str:
     """Return ``name`` if it is a legal task name, else raise :class:`InvalidTaskNameError`.
 
     Task names become file names and Redis keys, so: 1-64 characters of letters, digits, ``_ . -``,
-    starting with a letter or digit, and no ``..`` (no path traversal).
+    starting with a letter or digit, and no ``..`` (no path traversal). No control character passes.
     """
-    if not isinstance(name, str) or not TASK_NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not TASK_NAME_RE.fullmatch(name) or ".." in name:
         raise InvalidTaskNameError(
-            f"invalid task name {name!r}: use 1-64 characters of letters, digits, '_', '.', '-', "
+            f"invalid task name {shown(name)}: use 1-64 characters of letters, digits, '_', '.', '-', "
             "starting with a letter or digit, without '..'"
         )
     return name
+
+
+MAX_JSON_DEPTH = 16
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def strict_json(text: str | bytes, what: str, error: type[Exception]) -> Any:
+    """``json.loads`` for JSON a client sent, raising ``error`` (naming ``what``) for anything that could break
+    later: invalid JSON, NaN/Infinity, numbers too large for a float, nesting deeper than ``MAX_JSON_DEPTH``,
+    and strings with lone surrogates (which cannot be written back as UTF-8)."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise error(f"{what} is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, NaN, a 5,000-digit integer...
+        raise error(f"{what} is not valid JSON ({exc})") from None
+    problem = _json_problem(value, MAX_JSON_DEPTH)
+    if problem is not None:
+        raise error(f"{what}: {problem}")
+    return value
+
+
+def _json_problem(value: Any, depth: int) -> str | None:
+    """What makes a parsed JSON value unusable, or None (iterative: a deep value cannot exhaust the stack)."""
+    stack = [(value, depth)]
+    while stack:
+        item, left = stack.pop()
+        if isinstance(item, dict | list):
+            if left <= 0:
+                return f"nested deeper than {MAX_JSON_DEPTH} levels"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, left - 1) for child in children)
+        elif isinstance(item, float) and not math.isfinite(item):
+            return "a number is out of range (NaN or Infinity)"
+        elif isinstance(item, str) and any("\ud800" <= ch <= "\udfff" for ch in item):
+            return f"the string {shown(item)} contains a lone surrogate (not valid Unicode)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -109,6 +173,10 @@ class PatchMeta:
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     format_version: int = FORMAT_VERSION
     patch_type: str = PATCH_TYPE
+    # True: the task reads sentence pairs (text + text_pair); False: single texts. None: not recorded (patches made
+    # before this field existed), and the server takes either. Left out of the JSON when None, so those older
+    # files keep their bytes and ids.
+    text_pair: bool | None = None
 
     @property
     def n_outputs(self) -> int:
@@ -116,18 +184,16 @@ class PatchMeta:
         return 1 if self.kind == "regression" else len(self.labels)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        values = {k: v for k, v in asdict(self).items() if not (k == "text_pair" and v is None)}
+        return json.dumps(values, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> PatchMeta:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PatchMetadataError(f"patch metadata is not valid JSON ({exc}); re-export the patch") from exc
+        raw = strict_json(text, "patch metadata", PatchMetadataError)
         if not isinstance(raw, dict):
             raise PatchMetadataError("patch metadata must be a JSON object; re-export the patch")
         version = raw.get("format_version")
-        if version not in SUPPORTED_FORMAT_VERSIONS:
+        if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:
             raise PatchVersionError(
                 f"patch format version {version!r} is not supported by this build (reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade patchserve or re-export the patch"
@@ -167,6 +233,9 @@ class PatchMeta:
             raise bad(f"kind {self.kind!r} is not one of {list(KINDS)}")
         if not isinstance(self.labels, list) or not all(isinstance(x, str) and x for x in self.labels):
             raise bad("labels must be a list of non-empty strings")
+        for label in self.labels:
+            if (ch := unprintable(label)) is not None:
+                raise bad(f"label {shown(label)} contains the control character {ch}")
         if len(set(self.labels)) != len(self.labels):
             raise bad(f"labels must be unique, got {self.labels}")
         if self.kind == "classification" and len(self.labels) < 2:
@@ -177,24 +246,29 @@ class PatchMeta:
             raise bad("a regression patch has at most one label (the name of its score)")
         if self.pooling not in POOLINGS:
             raise bad(f"pooling {self.pooling!r} is not one of {list(POOLINGS)}")
-        if not isinstance(self.max_seq_length, int) or not 1 <= self.max_seq_length <= 65536:
+        if type(self.max_seq_length) is not int or not 1 <= self.max_seq_length <= 65536:
             raise bad(f"max_seq_length must be an integer in 1..65536, got {self.max_seq_length!r}")
-        if not isinstance(self.bias_subset, str) or not self.bias_subset:
-            raise bad("bias_subset must be a non-empty string")
+        if not isinstance(self.bias_subset, str) or not self.bias_subset or unprintable(self.bias_subset):
+            raise bad("bias_subset must be a non-empty string without control characters")
         if not (
             isinstance(self.base.name, str)
             and isinstance(self.base.fingerprint, str)
             and self.base.fingerprint.startswith("sha256:")
+            and not unprintable(self.base.name + self.base.fingerprint)
         ):
             raise bad('base must name the encoder and carry its "sha256:..." fingerprint')
         if not isinstance(self.metrics, dict) or not all(
-            isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v) for k, v in self.metrics.items()
+            isinstance(k, str) and _is_number(v) and math.isfinite(v) for k, v in self.metrics.items()
         ):
             raise bad("metrics must map names to finite numbers")
         if not isinstance(self.training, dict):
             raise bad("training must be an object")
         if not isinstance(self.created_at, str):
             raise bad("created_at must be an ISO-8601 string")
+        if not (self.text_pair is None or type(self.text_pair) is bool) or (
+            self.text_pair and self.kind == "token-classification"
+        ):
+            raise bad("text_pair must be true or false (and false for token-classification)")
 
 
 @dataclass
@@ -335,24 +409,30 @@ def _read_header(data: bytes) -> dict[str, Any]:
     if len(data) < 8:
         raise PatchCorruptError(f"patch is only {len(data)} bytes: truncated or not a safetensors file")
     (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER_BYTES or 8 + n > len(data):
+    if n > _MAX_HEADER_BYTES:
+        raise PatchCorruptError(
+            f"patch header is {n} bytes, over the {_MAX_HEADER_BYTES}-byte limit: not a patch file (a patch's "
+            "header is a few kilobytes)"
+        )
+    if 8 + n > len(data):
         raise PatchCorruptError(
             "patch header length does not fit the file: the file is truncated or not a safetensors file"
         )
-    try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PatchCorruptError(f"patch header is not valid JSON ({exc}): the file is damaged") from exc
+    header = strict_json(data[8 : 8 + n], "patch header (the file is damaged)", PatchCorruptError)
     if not isinstance(header, dict):
         raise PatchCorruptError("patch header is not a JSON object: the file is damaged")
-    ends = [
-        v["data_offsets"][1]
-        for k, v in header.items()
-        if k != "__metadata__"
-        and isinstance(v, dict)
-        and isinstance(v.get("data_offsets"), list)
-        and len(v["data_offsets"]) == 2
-    ]
+    if len(header) > _MAX_TENSORS + 1:
+        raise PatchCorruptError(
+            f"patch has {len(header) - 1} tensors, over the limit of {_MAX_TENSORS}: not a BitFit patch"
+        )
+    ends = []
+    for key, v in header.items():
+        offsets = v.get("data_offsets") if isinstance(v, dict) and key != "__metadata__" else None
+        if offsets is None:
+            continue
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+            raise PatchCorruptError(f"tensor {shown(key)} has malformed data offsets: the file is damaged")
+        ends.append(offsets[1])
     if ends and 8 + n + max(ends) > len(data):
         raise PatchCorruptError("patch tensor data is cut short: the file is truncated, copy it again")
     return header

@@ -6,6 +6,8 @@ import json
 import shutil
 import subprocess
 
+from safetensors.torch import save as st_save
+
 from patches.cli import main
 from tests.helpers import make_patch
 
@@ -35,6 +37,13 @@ def test_inspect_refuses_invalid_files_with_the_reason(tmp_path, tiny_encoder, c
     assert f"{f} is not a valid patch" in capsys.readouterr().err
     assert main(["eval", "--patch", str(tmp_path / "missing.safetensors"), "--data", str(f)]) == 1
     assert "cannot read" in capsys.readouterr().err
+    # hostile metadata (nested 100,000 deep, which json.loads cannot parse without blowing the stack) is a reason
+    patch = make_patch(tiny_encoder)
+    tensors = {"bias." + k: v for k, v in patch.biases.items()} | {"head.weight": patch.head_weight}
+    deep = tmp_path / "deep.safetensors"
+    deep.write_bytes(st_save(tensors | {"head.bias": patch.head_bias}, metadata={"patchserve": "[" * 100_000}))
+    assert main(["inspect", str(deep)]) == 1
+    assert "nested too deeply" in capsys.readouterr().err
 
 
 def test_register_and_list_tasks(tmp_path, tiny_encoder, capsys):

@@ -13,6 +13,7 @@ from safetensors.torch import save as st_save
 from patches.errors import (
     FingerprintMismatchError,
     PatchCorruptError,
+    PatchError,
     PatchKeysError,
     PatchMetadataError,
     PatchShapeError,
@@ -114,6 +115,16 @@ def test_unsupported_format_version_refused(tiny_encoder):
         ({"task": "../etc"}, "invalid task name"),
         ({"base": {"name": "x"}}, "base"),
         ({"metrics": {"acc": "high"}}, "metrics"),
+        ({"metrics": {"acc": True}}, "metrics"),
+        ({"max_seq_length": True}, "max_seq_length"),  # a bool is not an integer (it would truncate to 1 token)
+        ({"max_seq_length": 128.0}, "max_seq_length"),
+        ({"task": "sentiment\n"}, "invalid task name"),
+        ({"labels": ["neg\n", "pos"]}, "control character"),
+        ({"base": {"name": "x\x00", "fingerprint": "sha256:0"}}, "base"),
+        ({"training": {"lr": float("nan")}}, "NaN is not a JSON number"),
+        ({"training": {"lr": float("inf")}}, "Infinity is not a JSON number"),
+        ({"training": {"note": "\ud800"}}, "surrogate"),
+        ({"training": {"a": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}}, "nested deeper"),
     ],
 )
 def test_bad_metadata_refused(tiny_encoder, change, match):
@@ -121,6 +132,42 @@ def test_bad_metadata_refused(tiny_encoder, change, match):
     meta = json.loads(patch.meta.to_json()) | change
     with pytest.raises(PatchMetadataError, match=match):
         Patch.from_bytes(_raw(patch, meta=meta))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"training": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested"),  # json.loads would recurse to death
+        ('{"max_seq_length": ' + "9" * 5000 + "}", "not valid JSON"),  # past Python's int-digits limit
+        ('{"training": {"lr": 1e400}}', "out of range"),  # parses as a float infinity
+        ('{"format_version": true}', "format version"),
+        ('{"format_version": 1.0}', "format version"),
+        ("[1, 2]", "JSON object"),
+    ],
+    ids=["deep", "huge-int", "huge-float", "version-bool", "version-float", "array"],
+)
+def test_hostile_metadata_json_is_refused_not_crashed_on(tiny_encoder, text, match):
+    patch = make_patch(tiny_encoder)
+    data = st_save(_tensors(patch), metadata={METADATA_KEY: text})
+    with pytest.raises(PatchError, match=match):
+        Patch.from_bytes(data)
+
+
+def test_hostile_headers_are_refused(tiny_encoder):
+    patch = make_patch(tiny_encoder)
+
+    def with_header(header: dict) -> bytes:
+        raw = json.dumps(header).encode()
+        return struct.pack("<Q", len(raw)) + raw + b"\0" * 64
+
+    many = {f"bias.x{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(80_000)}
+    with pytest.raises(PatchCorruptError, match="over the"):
+        Patch.from_bytes(with_header(many))
+    with pytest.raises(PatchCorruptError, match="malformed data offsets"):
+        Patch.from_bytes(with_header({"head.bias": {"dtype": "F32", "shape": [1], "data_offsets": ["a", "b"]}}))
+    with pytest.raises(PatchCorruptError, match="malformed data offsets"):
+        Patch.from_bytes(with_header({"head.bias": {"dtype": "F32", "shape": [1], "data_offsets": [True, 4]}}))
+    assert Patch.from_bytes(patch.data).patch_id == patch.patch_id
 
 
 def test_missing_metadata_field_refused(tiny_encoder):
@@ -192,7 +239,10 @@ def test_valid_task_names(name):
     assert validate_task_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "../x", "a/b", "..", ".hidden", "-dash", "a..b", "x" * 65, "sp ace", "é"])
+@pytest.mark.parametrize(
+    "name",
+    ["", "../x", "a/b", "..", ".hidden", "-dash", "a..b", "x" * 65, "sp ace", "é", "sent\n", "a\x00b", "x\r", "\tx"],
+)
 def test_invalid_task_names(name):
     from patches.errors import InvalidTaskNameError
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from patches.errors import PatchServeError
+from patches.format import shown, unprintable
 
 KINDS = ("classification", "regression", "token-classification")
 _MAX_REPORTED = 10
@@ -211,6 +212,8 @@ def _example(row: dict[str, Any], kind: str) -> Example:
             raise ValueError('"tags" must be a list of non-empty strings')
         if len(tags) != len(tokens):
             raise ValueError(f'"tokens" has {len(tokens)} items but "tags" has {len(tags)}')
+        for tag in tags:
+            _check_label(tag)
         return Example(tokens=tokens, tags=tags)
     text = row.get("text")
     if not isinstance(text, str) or not text.strip():
@@ -231,7 +234,14 @@ def _example(row: dict[str, Any], kind: str) -> Example:
         label = int(label)
     if not isinstance(label, str | int) or isinstance(label, bool):
         raise ValueError(f'"label" must be a string or an integer, got {label!r}')
-    return Example(text=text, text_pair=pair, label=str(label))
+    return Example(text=text, text_pair=pair, label=_check_label(str(label)))
+
+
+def _check_label(label: str) -> str:
+    """Labels and tags are names (they end up in patch metadata and responses): no control characters."""
+    if (ch := unprintable(label)) is not None:
+        raise ValueError(f"label {shown(label)} contains the control character {ch}")
+    return label
 
 
 def split_dev(ds: Dataset, fraction: float = 0.1, seed: int = 0) -> tuple[Dataset, Dataset]:
