@@ -6,6 +6,9 @@ CLI prints them, so they are written for the person who sent the patch or named 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 
 class PatchServeError(Exception):
     """Base of every error patchserve raises on purpose."""
@@ -85,3 +88,15 @@ class VersionNotFoundError(RegistryError):
 
 class RegistryUnavailableError(RegistryError):
     """The backing store (disk folder or Redis) cannot be reached."""
+
+
+def describe_validation_errors(errors: Iterable[Mapping[str, Any]], limit: int = 5) -> str:
+    """pydantic-style errors (``ValidationError.errors()``, FastAPI's request errors) as one line,
+    ``where: problem; where: problem``. The values sent are never echoed: they may be huge, NaN or not
+    valid Unicode, and a message that quotes them could not itself be sent."""
+    lines = []
+    for err in errors:
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        lines.append(f"{where}: {err.get('msg', 'invalid')}")
+    more = f"; and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "; ".join(lines[:limit]) + more

@@ -15,31 +15,43 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Annotated, Any
 
 import redis
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from patches.bitfit import BIAS_SUBSETS
-from patches.errors import PatchServeError
-from patches.format import POOLINGS, validate_task_name
-from patches.store.redis import call_redis, parse_redis_url
+from patches.errors import InvalidTaskNameError, PatchServeError, describe_validation_errors
+from patches.format import KINDS, POOLINGS, shown, unprintable, validate_task_name
+from patches.store.base import redact_url
+from patches.store.redis import call_redis, parse_redis_url, run_transaction
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
 
 JOB_FILES = ("train", "dev", "test")
-TERMINAL = frozenset({"succeeded", "failed", "rejected"})
+STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 FINISHED_TTL_S = 7 * 24 * 3600
+JOB_ID_RE = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else names no job (and no Redis key)
 
 
 class JobError(PatchServeError):
     """A job request is invalid, or a job cannot be found."""
 
 
+class JobStateError(JobError):
+    """The job is in a state that does not allow the request (cancelling a finished job)."""
+
+
 class JobNotFoundError(JobError):
     def __init__(self, job_id: str) -> None:
-        super().__init__(f"job {job_id!r} does not exist (or expired); list jobs with GET /jobs or `patchserve jobs`")
+        super().__init__(
+            f"job {shown(job_id)} does not exist (or expired); list jobs with GET /jobs or `patchserve jobs`"
+        )
 
 
 # Defaults that differ between BitFit and full fine-tuning, filled in by ``TrainConfig.resolved()`` where a field
@@ -51,82 +63,132 @@ BITFIT_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "epochs": 10.0, "patience": 40}
 FULL_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "epochs": 5.0, "patience": 6}
 
 
-@dataclass
+# Hard bounds on a training config, whoever sends it: each keeps a typo or a hostile job from holding a worker
+# forever or failing late. What a deployment allows a job to cost in total is the operator's ``JobLimits``.
+MAX_UPDATES_PER_RUN = 10_000_000
+MAX_RUNS = 100  # restarts x learning rates
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # a bool is not an int, "5" is not a number, NaN is refused
+_Steps = Annotated[int, Field(ge=1, le=MAX_UPDATES_PER_RUN)]
+_Rate = Annotated[float, Field(gt=0, le=1)]
+
+
+@pydantic_dataclass(config=_STRICT)
 class TrainConfig:
     """How to train a patch. Defaults are the ones the README's quality table was measured with; a None among
-    ``lr``, ``epochs`` and ``patience`` means the default for the mode (BitFit or ``full``), see ``resolved()``."""
+    ``lr``, ``epochs`` and ``patience`` means the default for the mode (BitFit or ``full``), see ``resolved()``.
+
+    Types are checked strictly and every value is bounded (see ``from_dict``); ``JobLimits`` caps a job's total
+    cost."""
 
     task: str
     bias_subset: str = "all"
     pooling: str | None = None  # None: the encoder's default (mean for sentence-embedding encoders)
     kind: str | None = None  # None: inferred from the data
-    max_seq_length: int = 128
-    epochs: float | None = None  # None: 10 for BitFit, 5 for full fine-tuning
-    min_steps: int = 600  # small data sets still get this many updates (Zhang et al., ICLR 2021)
-    max_steps: int | None = None
-    batch_size: int = 16
-    lr: float | None = None  # None: 3e-3 for BitFit, 5e-5 for full fine-tuning
-    head_lr: float | None = None  # the task head's learning rate; None: the same as lr
-    lr_search: list[float] = field(default_factory=list)  # e.g. the BitFit paper's [1e-4, 4e-4, 7e-4, 1e-3]
-    seed: int = 0
-    restarts: int = 1  # seeds seed .. seed+restarts-1; the best dev score wins
-    warmup_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    dropout: float | None = None  # dropout rate in the encoder while training; None: the encoder's own
-    eval_every: int | None = None  # updates between dev evaluations; None: 4 per (min_steps-stretched) epoch
-    patience: int | None = None  # dev evaluations without improvement before stopping early; None: 40 BitFit, 6 full
+    max_seq_length: Annotated[int, Field(ge=8, le=65536)] = 128
+    epochs: Annotated[float, Field(gt=0, le=10_000)] | None = None  # None: 10 for BitFit, 5 for full fine-tuning
+    min_steps: _Steps = 600  # small data sets still get this many updates (Zhang et al., ICLR 2021)
+    max_steps: _Steps | None = None
+    batch_size: Annotated[int, Field(ge=1, le=4096)] = 16
+    lr: _Rate | None = None  # None: 3e-3 for BitFit, 5e-5 for full fine-tuning
+    head_lr: _Rate | None = None  # the task head's learning rate; None: the same as lr
+    lr_search: Annotated[list[_Rate], Field(max_length=16)] = field(default_factory=list)  # e.g. [1e-4, 4e-4, 1e-3]
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+    restarts: Annotated[int, Field(ge=1, le=MAX_RUNS)] = 1  # seeds seed .. seed+restarts-1; the best dev score wins
+    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
+    max_grad_norm: Annotated[float, Field(gt=0, le=1e6)] = 1.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] | None = None  # the encoder's dropout while training; None: its own
+    eval_every: _Steps | None = None  # updates between dev evaluations; None: 4 per (min_steps-stretched) epoch
+    patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # evaluations without gain; None: 40 / 6
     full: bool = False  # fine-tune every weight (report only, for comparison)
-    device: str = "auto"
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
-        validate_task_name(self.task)
+        try:
+            validate_task_name(self.task)
+        except InvalidTaskNameError as exc:
+            raise JobError(f"training config: {exc}") from None
         checks = [
             (self.bias_subset in BIAS_SUBSETS, f"bias_subset must be one of {sorted(BIAS_SUBSETS)}"),
             (self.pooling is None or self.pooling in POOLINGS, f"pooling must be one of {list(POOLINGS)}"),
-            (self.kind in (None, "classification", "regression", "token-classification"), "unknown kind"),
-            (self.max_seq_length >= 8, "max_seq_length must be at least 8"),
-            (self.epochs is None or (self.epochs > 0 and math.isfinite(self.epochs)), "epochs must be positive"),
-            (self.min_steps >= 1 and (self.max_steps is None or self.max_steps >= 1), "steps must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (
-                all(x > 0 for x in [*(self.lr_search or []), *(x for x in (self.lr, self.head_lr) if x is not None)]),
-                "learning rates must be positive",
-            ),
-            (
-                self.restarts >= 1 and (self.patience is None or self.patience >= 1),
-                "restarts and patience must be >= 1",
-            ),
-            (0 <= self.warmup_ratio < 1, "warmup_ratio must be in [0, 1)"),
-            (self.dropout is None or 0 <= self.dropout < 1, "dropout must be in [0, 1)"),
+            (self.kind in (None, *KINDS), f"kind must be one of {list(KINDS)}"),
+            (self.runs <= MAX_RUNS, f"restarts x learning rates is {self.runs}, over the limit of {MAX_RUNS}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise JobError(f"training config: {msg}")
+
+    @property
+    def runs(self) -> int:
+        """Training runs this config asks for: one per restart and learning rate."""
+        return self.restarts * max(1, len(self.lr_search))
 
     def resolved(self) -> TrainConfig:
         """This config with the mode's defaults (``BITFIT_DEFAULTS`` / ``FULL_DEFAULTS``) in place of None."""
         defaults = FULL_DEFAULTS if self.full else BITFIT_DEFAULTS
         return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
+    def planned_steps(self, train_rows: int) -> int:
+        """Updates one run makes on ``train_rows`` rows: the epochs, stretched to ``min_steps``, capped by
+        ``max_steps`` (early stopping may end it sooner)."""
+        epochs = self.resolved().epochs
+        assert epochs is not None
+        steps_per_epoch = math.ceil(train_rows / self.batch_size)
+        total = max(self.min_steps, math.ceil(epochs * steps_per_epoch))
+        return min(total, self.max_steps) if self.max_steps else total
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        """A config from JSON (a job, the API): unknown fields, wrong types and out-of-range values are a
+        :class:`JobError` naming each field."""
+        if not isinstance(raw, dict):
+            raise JobError("training config must be a JSON object")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(str(k) for k in set(raw) - known)
         if unknown:
-            raise JobError(f"training config has unknown fields {unknown}; known fields: {sorted(known)}")
+            raise JobError(f"training config has unknown fields {shown(unknown)}; known fields: {sorted(known)}")
         try:
             return cls(**raw)
-        except TypeError as exc:
-            raise JobError(f"training config: {exc}") from exc
+        except ValidationError as exc:
+            raise JobError(f"training config: {describe_validation_errors(exc.errors())}") from None
 
 
-@dataclass
+@pydantic_dataclass(config=_STRICT)
 class Gate:
     """When a trained patch may be registered."""
 
     min_dev: float | None = None  # the dev score (accuracy / Spearman / token accuracy) must reach this
     not_worse: bool = False  # ... and must not be below the current version's recorded dev score
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Gate:
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict) or set(raw) - {"min_dev", "not_worse"}:
+            raise JobError('gate must be an object with "min_dev" (a number) and/or "not_worse" (true/false)')
+        try:
+            return cls(**raw)
+        except ValidationError as exc:
+            raise JobError(f"gate: {describe_validation_errors(exc.errors())}") from None
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """What a deployment lets one job cost, set by its operator (server and worker settings). A job over a limit
+    is refused when it is submitted (422) and, if it reaches a worker anyway, failed there before training."""
+
+    max_updates: int = 100_000  # optimizer updates over all of a job's runs (restarts x learning rates)
+    max_seconds: float = 24 * 3600.0  # wall-clock time a worker gives one job before stopping it
+
+    def check(self, config: TrainConfig, train_rows: int) -> None:
+        per_run = config.planned_steps(train_rows)
+        total = per_run * config.runs
+        if total > self.max_updates:
+            raise JobError(
+                f"this job would make {total} updates ({config.runs} run(s) x {per_run}), over this deployment's "
+                f"limit of {self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts or "
+                "lr_search, or set max_steps"
+            )
 
 
 @dataclass
@@ -145,6 +207,7 @@ class Job:
     progress: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    cancel_requested: float | None = None  # when POST /jobs/{id}/cancel asked a running job to stop
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,7 +226,7 @@ class Job:
     def from_hash(cls, raw: dict[bytes, bytes]) -> Job:
         d = {k.decode(): v.decode() for k, v in raw.items() if k != b"patch"}
         kw: dict[str, Any] = {k: json.loads(d[k]) for k in cls._JSON if k in d}
-        for k in ("created_at", "started_at", "finished_at"):
+        for k in ("created_at", "started_at", "finished_at", "cancel_requested"):
             if k in d:
                 kw[k] = float(d[k])
         return cls(
@@ -183,14 +246,18 @@ class JobQueue:
     def __init__(self, url: str, *, max_file_bytes: int = 256 * 1024 * 1024) -> None:
         conn, prefix = parse_redis_url(url)
         if not conn.startswith(("redis://", "rediss://", "unix://")):
-            raise JobError(f"the job queue needs Redis (redis://host:port/db), got {url!r}")
-        self.url = url
+            raise JobError(f"the job queue needs Redis (redis://host:port/db), got {redact_url(url)!r}")
+        self.url = redact_url(url)
         self.keys = RedisKeys(prefix)
         self.r = redis.Redis.from_url(conn, socket_connect_timeout=5, health_check_interval=30)
         self.max_file_bytes = max_file_bytes
 
+    @property
+    def _what(self) -> str:
+        return f"job queue at {self.url}"
+
     def _call(self, fn: Any) -> Any:
-        return call_redis(fn, f"job queue at {self.url}")
+        return call_redis(fn, self._what)
 
     # --- producers -----------------------------------------------------------------------------------------
     def submit(
@@ -198,13 +265,15 @@ class JobQueue:
     ) -> Job:
         """Validate and enqueue a job. ``files`` maps train/dev/test to (file name, bytes)."""
         cfg = TrainConfig.from_dict(config)
-        g = Gate(**(gate or {}))
+        g = Gate.from_dict(gate)
         if "train" not in files:
             raise JobError("a training job needs a 'train' data file")
         unknown = sorted(set(files) - set(JOB_FILES))
         if unknown:
             raise JobError(f"unknown data files {unknown}; a job takes {list(JOB_FILES)}")
         for role, (name, data) in files.items():
+            if (ch := unprintable(name)) is not None:
+                raise JobError(f"{role} file name {shown(name)} contains the control character {ch}; rename the file")
             if len(data) > self.max_file_bytes:
                 raise JobError(f"{role} file {name!r} is {len(data)} bytes, over the {self.max_file_bytes} limit")
             if not name.lower().endswith((".jsonl", ".json", ".csv", ".tsv")):
@@ -229,6 +298,8 @@ class JobQueue:
         return job
 
     def get(self, job_id: str) -> Job:
+        if not JOB_ID_RE.fullmatch(job_id):
+            raise JobNotFoundError(job_id)
         raw = self._call(lambda: self.r.hgetall(self.keys.job(job_id)))
         if not raw:
             raise JobNotFoundError(job_id)
@@ -244,7 +315,61 @@ class JobQueue:
                 self.r.zrem(self.keys.job_index, i)  # expired record
         return jobs
 
+    def cancel(self, job_id: str) -> Job:
+        """Cancel a job: a queued one ends as ``cancelled`` now; a running one is asked to stop, and its worker
+        ends it as ``cancelled`` at its next step (within a few seconds). A finished job raises JobStateError."""
+        job = self.get(job_id)  # 404 for an unknown id
+        key = self.keys.job(job.id)
+
+        def tx(pipe: Any) -> str:
+            status = (pipe.hget(key, "status") or b"").decode()
+            if status in TERMINAL:
+                raise JobStateError(f"job {job.id} already ended as {status}; there is nothing to cancel")
+            pipe.multi()
+            pipe.hset(key, "cancel_requested", str(time.time()))
+            if status == "queued":  # no worker holds it: end it here (a worker that claims it later just acks)
+                pipe.hset(key, mapping={"status": "cancelled", "finished_at": str(time.time())})
+                pipe.hset(key, "error", "cancelled before it started")
+            return status
+
+        if run_transaction(self.r, tx, key, what=self._what) == "queued":
+            self._drop_data(job.id)
+        return self.get(job.id)
+
     # --- workers -------------------------------------------------------------------------------------------
+    def start(self, job_id: str, worker: str, attempts: int) -> bool:
+        """Mark a job running on ``worker``, unless it ended or a cancel came first (then False). Atomic with
+        ``cancel``: a job is never both cancelled and started."""
+        key = self.keys.job(job_id)
+
+        def tx(pipe: Any) -> bool:
+            status = (pipe.hget(key, "status") or b"").decode()
+            if status in TERMINAL or pipe.hexists(key, "cancel_requested"):
+                return False
+            pipe.multi()
+            mapping = {"status": "running", "worker": worker, "attempts": attempts, "started_at": time.time()}
+            pipe.hset(key, mapping=mapping)
+            return True
+
+        return run_transaction(self.r, tx, key, what=self._what)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        requested: bool = self._call(lambda: self.r.hexists(self.keys.job(job_id), "cancel_requested"))
+        return requested
+
+    def hand_back(self, job_id: str, msg_id: str, attempts: int) -> None:
+        """Return a job to the queue at once (a worker shutting down): it is queued again with its attempt count
+        as before, and a fresh message replaces the old one, so the next free worker takes it without waiting
+        for a lease to run out."""
+        k = self.keys
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(k.job(job_id), mapping={"status": "queued", "attempts": attempts})
+        pipe.hdel(k.job(job_id), "worker", "started_at")
+        pipe.xack(k.job_stream, JOB_GROUP, msg_id)
+        pipe.xdel(k.job_stream, msg_id)
+        pipe.xadd(k.job_stream, {"job": job_id})
+        self._call(pipe.execute)
+
     def file(self, job_id: str, role: str) -> bytes | None:
         data: bytes | None = self._call(lambda: self.r.get(self.keys.job_file(job_id, role)))
         return data
@@ -267,8 +392,11 @@ class JobQueue:
 
     def finish(self, job_id: str, status: str, **values: Any) -> None:
         """Terminal state: record it, drop the data files and the stashed patch, expire the record later."""
-        k = self.keys
         self.update(job_id, status=status, finished_at=time.time(), **values)
+        self._drop_data(job_id)
+
+    def _drop_data(self, job_id: str) -> None:
+        k = self.keys
         pipe = self.r.pipeline(transaction=True)
         pipe.hdel(k.job(job_id), "patch")
         pipe.delete(*[k.job_file(job_id, role) for role in JOB_FILES])

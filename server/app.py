@@ -11,7 +11,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY, RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from patches import __version__
@@ -22,8 +26,9 @@ from patches.errors import (
     RegistryUnavailableError,
     TaskNotFoundError,
     VersionNotFoundError,
+    describe_validation_errors,
 )
-from patches.jobs import JobNotFoundError, JobQueue
+from patches.jobs import JobError, JobNotFoundError, JobQueue, JobStateError
 from patches.store import Registry, open_registry
 from server.catalog import Catalog
 from server.deps import Service
@@ -35,31 +40,35 @@ from server.predict import InputError
 from server.routes import router
 from server.routes_jobs import router as jobs_router
 from server.settings import ServerSettings
+from trainer.data import DataError
 
 log = logging.getLogger("patchserve")
 
 
-class BodyLimitMiddleware:
-    """Refuse request bodies whose Content-Length is over the limit with 413, before reading them."""
+def body_too_large(limit: int, path: str) -> JSONResponse:
+    setting = "MAX_PREDICT_BODY_BYTES" if path.endswith("/predict") else "MAX_BODY_BYTES"
+    detail = f"request body is over this route's limit of {limit} bytes (PATCHSERVE_{setting})"
+    return JSONResponse({"detail": detail}, status_code=413)
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
+
+class BodyLimits:
+    """Request body limits. A Content-Length over the limit is answered at once, unread; a body without one
+    (chunked) is counted as it is read (Starlette's ``RequestBodyLimitMiddleware``), so it is bounded too. Predict
+    bodies get their own, smaller limit: they are parsed on the event loop, and this bounds how long one can hold
+    up every other request."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_predict_bytes: int) -> None:
+        self.limits = {False: max_bytes, True: max_predict_bytes}
+        self.counted = {p: RequestBodyLimitMiddleware(app, max_body_size=n) for p, n in self.limits.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        predict = scope["type"] == "http" and scope["path"].endswith("/predict")
         if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_bytes:
-                resp = JSONResponse(
-                    {
-                        "detail": f"request body of {int(length)} bytes is over the {self.max_bytes}"
-                        "-byte limit (PATCHSERVE_MAX_BODY_BYTES)"
-                    },
-                    status_code=413,
-                )
-                await resp(scope, receive, send)
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.limits[predict]:
+                await body_too_large(self.limits[predict], scope["path"])(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        await self.counted[predict](scope, receive, send)
 
 
 def _error(status: int, exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -70,6 +79,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     table: list[tuple[type[Exception], int]] = [
         (TaskNotFoundError, 404),
         (JobNotFoundError, 404),
+        (JobStateError, 409),
+        (JobError, 422),  # an invalid job config, gate or data file name, or a job over the deployment's limits
+        (DataError, 422),
         (VersionNotFoundError, 404),
         (InvalidTaskNameError, 422),
         (InputError, 422),
@@ -86,7 +98,22 @@ def _install_error_handlers(app: FastAPI) -> None:
     def overloaded(_: Request, exc: Exception) -> JSONResponse:
         return _error(503, exc, {"Retry-After": "1"})
 
+    def invalid_request(_: Request, exc: Exception) -> JSONResponse:
+        # one shape for every error, {"detail": "..."}; FastAPI's default list echoes the input, which fails to
+        # render (a 500) when it holds NaN or a lone surrogate
+        assert isinstance(exc, RequestValidationError)
+        return JSONResponse({"detail": describe_validation_errors(exc.errors())}, status_code=422)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        limit = request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)
+        if exc.status_code == 413 and limit is not None:  # a chunked body ran over while BodyLimits counted it
+            return body_too_large(limit, request.url.path)
+        return await http_exception_handler(request, exc)
+
     app.add_exception_handler(OverloadedError, overloaded)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def create_app(
@@ -164,7 +191,7 @@ def create_app(
     app.include_router(router)
     app.include_router(jobs_router)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes, max_predict_bytes=settings.max_predict_body_bytes)
     return app
 
 

@@ -63,8 +63,8 @@ def _unauthorized(what: str) -> HTTPException:
 
 
 def _require(request: Request, accepted: tuple[object, ...], what: str, forbidden: str) -> None:
-    """401 without a bearer token, 403 when it matches none of ``accepted``; no check when the first is unset."""
-    if accepted[0] is None:
+    """401 without a bearer token, 403 when it matches none of ``accepted``; no check when none is set."""
+    if all(t is None for t in accepted):
         return
     given = _bearer(request)
     if given is None:
@@ -84,6 +84,9 @@ def require_admin(request: Request, svc: ServiceDep) -> None:
 
 
 def require_predict(request: Request, svc: ServiceDep) -> None:
+    """With a predict token set, predict needs it (or the admin token); with only an admin token, predict is open."""
+    if svc.settings.predict_token is None:
+        return
     _require(
         request,
         (svc.settings.predict_token, svc.settings.admin_token),
@@ -92,5 +95,17 @@ def require_predict(request: Request, svc: ServiceDep) -> None:
     )
 
 
+def require_reader(request: Request, svc: ServiceDep) -> None:
+    """Reads of tasks and jobs (metadata, configs, errors, tracebacks) need the predict or the admin token whenever
+    either is set; probes and metrics stay open."""
+    _require(
+        request,
+        (svc.settings.predict_token, svc.settings.admin_token),
+        "predict or admin token",
+        "the bearer token is neither the predict token nor the admin token",
+    )
+
+
 AdminAuth = Annotated[None, Depends(require_admin)]
 PredictAuth = Annotated[None, Depends(require_predict)]
+ReadAuth = Annotated[None, Depends(require_reader)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from patches.jobs import STATUSES
 from server.engine.batcher import BatchStats
 from server.engine.slots import SlotStats
 
@@ -57,7 +58,7 @@ class Metrics:
         self.batch_seconds.observe(stats.seconds)
 
     def set_jobs(self, statuses: list[str]) -> None:
-        for status in ("queued", "running", "succeeded", "rejected", "failed"):
+        for status in STATUSES:
             self.jobs.labels(status=status).set(statuses.count(status))
 
     def sync_slots(self, stats: SlotStats) -> None:

@@ -42,34 +42,52 @@ def normalise_inputs(inputs: str | list[str] | list[PairInput]) -> tuple[list[st
     return [p.text for p in pairs], [str(p.text_pair) for p in pairs]
 
 
-def encode(tokenizer: Any, patch: Patch, texts: list[str], pairs: list[str] | None, max_len: int) -> list[Encoded]:
-    """Tokenise for ``patch``'s kind; inputs longer than ``max_len`` tokens are truncated and flagged."""
-    if patch.meta.kind == "token-classification":
-        if pairs is not None:
-            raise InputError(f"task {patch.meta.task!r} tags tokens of one text; it takes no text_pair")
-        return [_encode_words(tokenizer, patch, text, max_len) for text in texts]
-    full = tokenizer(texts, pairs, truncation=False, verbose=False)
-    long = [i for i, ids in enumerate(full["input_ids"]) if len(ids) > max_len]
-    if long:
-        cut = tokenizer(
-            [texts[i] for i in long],
-            None if pairs is None else [pairs[i] for i in long],
-            truncation=True,
-            max_length=max_len,
+def check_request(patch: Patch, pairs: list[str] | None, top_k: int | None, all_scores: bool) -> None:
+    """Refuse what this task cannot do instead of silently doing something else (422)."""
+    meta = patch.meta
+    if pairs is not None and (meta.kind == "token-classification" or meta.text_pair is False):
+        what = "tags the words of one text" if meta.kind == "token-classification" else "reads single texts"
+        raise InputError(
+            f"task {meta.task!r} {what} (it was trained without text_pair); send plain texts without text_pair"
         )
-        for j, i in enumerate(long):
-            full["input_ids"][i] = cut["input_ids"][j]
-            if "token_type_ids" in full:
-                full["token_type_ids"][i] = cut["token_type_ids"][j]
-    out, cut_rows = [], set(long)
-    for i, ids in enumerate(full["input_ids"]):
-        types = full["token_type_ids"][i] if "token_type_ids" in full else [0] * len(ids)
-        out.append(Encoded(Row(list(ids), list(types), patch), truncated=i in cut_rows))
+    if pairs is None and meta.text_pair is True:
+        raise InputError(
+            f'task {meta.task!r} scores sentence pairs: send inputs as [{{"text": ..., "text_pair": ...}}, ...]'
+        )
+    if (top_k is not None or all_scores) and meta.kind != "classification":
+        raise InputError(f"top_k and all_scores apply to classification; task {meta.task!r} is {meta.kind}")
+
+
+def encode(
+    tokenizer: Any, patch: Patch, texts: list[str], pairs: list[str] | None, max_len: int, max_chars: int
+) -> list[Encoded]:
+    """Tokenise for ``patch``'s kind, with bounded work: texts are cut to ``max_chars`` characters first, then
+    truncated to ``max_len`` tokens while tokenising; a row that lost anything is flagged ``truncated``.
+    CPU-bound: call it from a worker thread."""
+    cut = [len(t) > max_chars or (pairs is not None and len(pairs[i]) > max_chars) for i, t in enumerate(texts)]
+    texts = [t[:max_chars] for t in texts]
+    pairs = None if pairs is None else [p[:max_chars] for p in pairs]
+    if patch.meta.kind == "token-classification":
+        return [
+            _encode_words(tokenizer, patch, text, max_len, was_cut) for text, was_cut in zip(texts, cut, strict=True)
+        ]
+    enc = tokenizer(texts, pairs, truncation=True, max_length=max_len, verbose=False)
+    if enc.encodings is not None:  # a fast tokenizer records what truncation removed
+        lost = [bool(e.overflowing) for e in enc.encodings]
+    else:  # a slow one does not: count the whole (character-capped, so bounded) inputs
+        full = tokenizer(texts, pairs, truncation=False, verbose=False)["input_ids"]
+        lost = [len(ids) > max_len for ids in full]
+    out = []
+    for i, ids in enumerate(enc["input_ids"]):
+        types = enc["token_type_ids"][i] if "token_type_ids" in enc else [0] * len(ids)
+        out.append(Encoded(Row(list(ids), list(types), patch), truncated=cut[i] or lost[i]))
     return out
 
 
-def _encode_words(tokenizer: Any, patch: Patch, text: str, max_len: int) -> Encoded:
+def _encode_words(tokenizer: Any, patch: Patch, text: str, max_len: int, was_cut: bool) -> Encoded:
     words = text.split()
+    if was_cut and len(words) > 1 and not text[-1].isspace():
+        words = words[:-1]  # the character cap split the last word: tag only whole words
     if not words:
         raise InputError("an input of a token-classification task has no words")
     enc = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_len)
@@ -80,7 +98,7 @@ def _encode_words(tokenizer: Any, patch: Patch, text: str, max_len: int) -> Enco
     kept = [first[w] for w in range(len(words)) if w in first]
     types = enc.get("token_type_ids") or [0] * len(enc["input_ids"])
     row = Row(list(enc["input_ids"]), list(types), patch)
-    return Encoded(row, truncated=len(kept) < len(words), words=words[: len(kept)], first_subword=kept)
+    return Encoded(row, truncated=was_cut or len(kept) < len(words), words=words[: len(kept)], first_subword=kept)
 
 
 def decode(out: torch.Tensor, enc: Encoded, top_k: int | None, all_scores: bool) -> Prediction:

@@ -13,8 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from patches.cli import patch_summary
 from patches.errors import PatchError, PatchServeError, PatchTooLargeError, TaskNotFoundError
 from patches.format import Patch
-from server.deps import AdminAuth, PredictAuth, ServiceDep
-from server.predict import InputError, decode, encode, normalise_inputs
+from server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
+from server.predict import InputError, check_request, decode, encode, normalise_inputs
 from server.schemas import (
     BaseInfo,
     ErrorBody,
@@ -79,8 +79,11 @@ async def predict(name: str, body: PredictRequest, request: Request, svc: Servic
             )
         info, patch = await run_in_threadpool(svc.catalog.resolve, name)
         label = name
+        check_request(patch, pairs, body.top_k, body.all_scores)
         max_len = min(patch.meta.max_seq_length, s.max_seq_length, svc.encoder.max_positions)
-        encoded = encode(svc.encoder.tokenizer, patch, texts, pairs, max_len)
+        encoded = await run_in_threadpool(
+            encode, svc.encoder.tokenizer, patch, texts, pairs, max_len, s.max_input_chars
+        )
         outputs = await _wait_rows(svc.batcher.submit([e.row for e in encoded]), request, s.request_timeout_s)
         preds = [decode(o, e, body.top_k, body.all_scores) for o, e in zip(outputs, encoded, strict=True)]
         status = 200
@@ -113,7 +116,7 @@ async def register(
     limit = svc.settings.max_patch_bytes
     data = await patch.read(limit + 1)
     try:
-        parsed = Patch.from_bytes(data, max_bytes=limit)
+        parsed = await run_in_threadpool(Patch.from_bytes, data, max_bytes=limit)  # CPU work, off the event loop
         info = await run_in_threadpool(svc.catalog.register, parsed)
     except PatchTooLargeError as exc:
         raise HTTPException(413, str(exc)) from exc
@@ -132,7 +135,7 @@ async def register(
 
 
 @router.get("/tasks", response_model=list[TaskSummary], tags=["tasks"])
-async def list_tasks(svc: ServiceDep) -> Any:
+async def list_tasks(svc: ServiceDep, _: ReadAuth) -> Any:
     """Every registered task with its current version."""
     snap = await run_in_threadpool(svc.registry.snapshot)
     return [
@@ -142,7 +145,7 @@ async def list_tasks(svc: ServiceDep) -> Any:
 
 
 @router.get("/tasks/{name}", response_model=TaskDetail, responses=_ERRORS, tags=["tasks"])
-async def get_task(name: str, svc: ServiceDep) -> Any:
+async def get_task(name: str, svc: ServiceDep, _: ReadAuth) -> Any:
     """A task's versions, which one is current, and the current patch's metadata."""
 
     def read() -> TaskDetail:

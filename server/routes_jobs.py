@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
-from patches.jobs import JobError, JobQueue, TrainConfig
-from server.deps import AdminAuth, ServiceDep
+from patches.format import strict_json
+from patches.jobs import Gate, JobError, JobQueue, TrainConfig
+from server.deps import AdminAuth, ReadAuth, ServiceDep
 from server.schemas import ErrorBody
-from trainer.data import DataError, job_splits
+from trainer.data import job_splits
 
 router = APIRouter(tags=["jobs"])
-_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 413, 422, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 413, 422, 501, 503)}
 
 
 def _queue(svc: Any) -> JobQueue:
-    if svc.queue is None:
+    if svc.queue is None:  # not a passing condition a retry could outwait: this server has no queue at all
         raise HTTPException(
-            503,
+            501,
             "training jobs need a Redis queue: start the server with PATCHSERVE_QUEUE="
             "redis://host:port/db (or a Redis registry, which is used for both)",
         )
@@ -42,35 +42,41 @@ async def submit_job(
 ) -> dict[str, Any]:
     """Queue a training job; a worker trains it and registers the patch if it passes the gate."""
     queue = _queue(svc)
-    try:
-        raw = json.loads(config)
-    except json.JSONDecodeError as exc:
-        raise HTTPException(422, f"config is not valid JSON: {exc}") from exc
+    raw = strict_json(config, "config", JobError)
     if not isinstance(raw, dict):
-        raise HTTPException(422, "config must be a JSON object")
+        raise JobError("config must be a JSON object")
     gate = raw.pop("gate", None)
     files = {}
     for role, upload in (("train", train), ("dev", dev), ("test", test)):
         if upload is not None:
             files[role] = (upload.filename or f"{role}.jsonl", await upload.read())
-    try:
-        checked = TrainConfig.from_dict(raw)
-        # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
-        await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
-        job = await run_in_threadpool(queue.submit, raw, files, gate)
-    except (JobError, DataError, TypeError) as exc:
-        raise HTTPException(422, str(exc)) from exc
+    checked = TrainConfig.from_dict(raw)
+    Gate.from_dict(gate)
+    # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
+    splits = await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
+    svc.settings.job_limits.check(checked, len(splits.train))
+    job = await run_in_threadpool(queue.submit, raw, files, gate)
     return job.to_dict()
 
 
 @router.get("/jobs", responses=_ERRORS)
-async def list_jobs(svc: ServiceDep, limit: int = 50) -> list[dict[str, Any]]:
+async def list_jobs(
+    svc: ServiceDep, _: ReadAuth, limit: int = Query(50, ge=1, le=1000, description="How many jobs, newest first.")
+) -> list[dict[str, Any]]:
     """Recent jobs, newest first, with status, progress, metrics and errors."""
     jobs = await run_in_threadpool(_queue(svc).list, limit)
     return [j.to_dict() for j in jobs]
 
 
 @router.get("/jobs/{job_id}", responses=_ERRORS)
-async def get_job(job_id: str, svc: ServiceDep) -> dict[str, Any]:
+async def get_job(job_id: str, svc: ServiceDep, _: ReadAuth) -> dict[str, Any]:
     """One job: status (queued, running, succeeded, rejected, failed), progress, result, error."""
     return (await run_in_threadpool(_queue(svc).get, job_id)).to_dict()
+
+
+@router.post("/jobs/{job_id}/cancel", responses=_ERRORS | {409: {"model": ErrorBody}})
+async def cancel_job(job_id: str, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
+    """Cancel a job. A queued job ends as ``cancelled`` at once; a running one is asked to stop, and its worker
+    ends it as ``cancelled`` at its next update (within a few seconds): follow it with GET /jobs/{id}. A job that
+    already ended is a 409."""
+    return (await run_in_threadpool(_queue(svc).cancel, job_id)).to_dict()

@@ -2,19 +2,69 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+from pydantic_core.core_schema import ValidatorFunctionWrapHandler
+
+# Request bodies are read strictly: a bool is not a number, a number is not a text, and a field this API does not
+# know is an error rather than silently ignored (a misspelt "topk" would otherwise change nothing without a word).
+REQUEST = ConfigDict(strict=True, extra="forbid")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(text: str) -> str:
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise PydanticCustomError(
+            "lone_surrogate",
+            "the text has a lone UTF-16 surrogate at character {index}, which is not valid Unicode; send UTF-8 "
+            "text (in JSON, a \\uD8xx escape must be followed by its \\uDCxx pair)",
+            {"index": found.start()},
+        )
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class PairInput(BaseModel):
-    text: str = Field(description="The (first) sentence.")
-    text_pair: str | None = Field(None, description="The second sentence, for sentence-pair tasks.")
+    model_config = REQUEST
+
+    text: Text = Field(description="The (first) sentence.")
+    text_pair: Text | None = Field(None, description="The second sentence, for sentence-pair tasks.")
+
+
+_TEXTS: TypeAdapter[list[str]] = TypeAdapter(list[Text])
+_PAIRS: TypeAdapter[list[PairInput]] = TypeAdapter(list[PairInput])
+
+
+def _one_input_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Errors of the one shape the client meant (by the value's type), instead of one per union member."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            return _PAIRS.validate_python(value, strict=True)
+        if isinstance(value, list):
+            return _TEXTS.validate_python(value, strict=True)
+        if isinstance(value, str):
+            return _valid_unicode(value)
+        raise PydanticCustomError(
+            "inputs_shape", 'inputs must be a text, a list of texts, or a list of {"text", "text_pair"} objects'
+        ) from None
 
 
 class PredictRequest(BaseModel):
-    inputs: str | list[str] | list[PairInput] = Field(
-        description='One text, a list of texts, or a list of {"text", "text_pair"} objects.',
+    model_config = REQUEST
+
+    inputs: Annotated[Text | list[Text] | list[PairInput], WrapValidator(_one_input_shape)] = Field(
+        description='One text, a list of texts, or a list of {"text", "text_pair"} objects. Texts longer than '
+        "the task's maximum length are truncated (and flagged `truncated`).",
         examples=[
             "a gripping, beautifully acted film",
             [{"text": "A plane takes off.", "text_pair": "A jet departs."}],
@@ -89,6 +139,8 @@ class TaskDetail(BaseModel):
 
 
 class RollbackRequest(BaseModel):
+    model_config = REQUEST
+
     version: int = Field(ge=1, description="The version to make current.")
 
 

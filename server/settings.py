@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from patches.cli import DEFAULT_REGISTRY
+from patches.jobs import JobLimits
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,21 @@ class ServerSettings(BaseSettings):
     max_seq_length: int = Field(
         512, ge=8, description="Longest input in tokens; longer inputs are truncated and the response says so."
     )
+    max_input_chars: int = Field(
+        8192,
+        ge=64,
+        description="Longest input text in characters: longer texts are cut before tokenizing (and the response "
+        "says truncated), which bounds the work one request can cause. 8192 holds 512 tokens of ordinary text.",
+    )
     max_inputs_per_request: int = Field(256, ge=1, description="Most inputs in one predict request.")
     max_body_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body accepted (patch uploads included); else 413."
+    )
+    max_predict_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest predict request body; else 413. Smaller than the upload limit because a predict body "
+        "is parsed on the event loop: this bounds how long one request can hold up every other (probes included).",
     )
     max_patch_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest patch file accepted.")
     patch_cache_mb: int = Field(512, ge=1, description="Host memory for parsed patches in front of the registry (LRU).")
@@ -72,6 +85,12 @@ class ServerSettings(BaseSettings):
     predict_token: SecretStr | None = Field(
         None, description="When set, predict needs 'Authorization: Bearer <token>' (this token or the admin one)."
     )
+    max_job_updates: int = Field(
+        100_000,
+        ge=1,
+        description="Most optimizer updates one training job may plan over all its runs (restarts x learning "
+        "rates); POST /jobs refuses bigger jobs with 422. Workers have the same cap (patchserve worker).",
+    )
     drop_key_bias: bool = Field(
         True, description="Skip the key bias, which cannot change attention (exact); off only for comparisons."
     )
@@ -80,10 +99,20 @@ class ServerSettings(BaseSettings):
     )
     log_level: str = Field("info", description="Log level: debug, info, warning or error.")
 
+    @property
+    def job_limits(self) -> JobLimits:
+        return JobLimits(max_updates=self.max_job_updates)
+
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("dtype float16 is not supported on the CPU: use float32 (or bfloat16)")
+        if self.max_queue_rows < self.max_inputs_per_request:
+            # a full-size request would be told to retry (503) although it could never fit
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be at least max_inputs_per_request "
+                f"({self.max_inputs_per_request})"
+            )
         if self.host not in ("127.0.0.1", "localhost", "::1") and self.admin_token is None:
             log.warning(
                 "listening on %s without an admin token: anyone who can reach it may register or delete tasks; "

@@ -177,21 +177,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(workdir: Path, *options: str) -> tuple[subprocess.Popen, str]:
+def start_redis(workdir: Path, *options: str, password: str | None = None) -> tuple[subprocess.Popen, str]:
     """A real, throwaway redis-server on a free port (never fakeredis), with extra ``options`` such as
-    ``"--maxmemory", "1"``; returns the process (the caller stops it) and its URL once it answers."""
+    ``"--maxmemory", "1"`` and an optional ``password`` (requirepass, and in the URL); returns the process (the
+    caller stops it) and its URL once it answers."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does this)")
     port = free_port()
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     args += ["--dir", str(workdir)]
+    if password is not None:
+        args += ["--requirepass", password]
     proc = subprocess.Popen(
         [*args, *options],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://{'' if password is None else f':{password}@'}127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 10
     try:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 import redis
 import torch
 from fastapi.testclient import TestClient
 
+from patches.format import Patch
 from patches.model import TaskModel
+from patches.store import redact_url
 from server.app import create_app
 from server.settings import ServerSettings
 from tests.helpers import make_patch, start_redis, synthetic_rows
@@ -108,6 +112,87 @@ def test_long_inputs_are_truncated_and_flagged(make_client, tiny_encoder):
     assert [p["truncated"] for p in r.json()["predictions"]] == [True, False]
 
 
+def test_huge_inputs_are_cut_to_bounded_work_and_answer_as_the_cut_text(make_client, tiny_encoder):
+    """Eight 1 MB texts once froze the server for 17 s (tokenised whole). Now each is cut to max_input_chars before
+    tokenising, and the answer is the one for the text's first max_seq_length tokens."""
+    client = make_client(max_seq_length=16, max_input_chars=64, max_predict_body_bytes=16 * 1024 * 1024)
+    patch = make_patch(tiny_encoder, "t")
+    tagger = make_patch(tiny_encoder, "pos", kind="token-classification", seed=5)
+    upload(client, patch), upload(client, tagger)
+    huge = "the good movie " * 70_000  # ~1 MB
+    r = client.post("/tasks/t/predict", json={"inputs": [huge] * 8, "all_scores": True})
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    assert all(p["truncated"] for p in preds)
+    head = tiny_encoder.tokenizer.decode(
+        tiny_encoder.tokenizer(huge[:64], truncation=True, max_length=16)["input_ids"][1:-1]
+    )
+    expected = reference_probs(tiny_encoder, patch, head).softmax(-1)
+    assert preds[0]["scores"]["positive"] == pytest.approx(float(expected[1]), abs=1e-5)
+    # under the character cap but over the token limit: truncated by the tokenizer, still flagged
+    r = client.post("/tasks/t/predict", json={"inputs": ["a " * 30, "good"]})  # 60 characters, 32 tokens
+    assert [p["truncated"] for p in r.json()["predictions"]] == [True, False]
+    # tagging tags whole words only: a word the character cap split is dropped, and the row is flagged
+    r = client.post("/tasks/pos/predict", json={"inputs": "the cat runs quickly " * 10})
+    tokens = r.json()["predictions"][0]["tokens"]
+    assert r.json()["predictions"][0]["truncated"] and all(
+        t["token"] in ("the", "cat", "runs", "quickly") for t in tokens
+    )
+
+
+def test_requests_a_task_cannot_serve_are_refused_not_reinterpreted(make_client, tiny_encoder):
+    client = make_client()
+
+    def variant(task: str, kind: str = "classification", text_pair: bool | None = None):
+        p = make_patch(tiny_encoder, task, kind=kind)
+        return Patch(replace(p.meta, text_pair=text_pair), p.biases, p.head_weight, p.head_bias)
+
+    for patch in (variant("single", text_pair=False), variant("pair", text_pair=True), variant("legacy")):
+        assert upload(client, patch).status_code == 201
+    assert upload(client, variant("sts", "regression", text_pair=True)).status_code == 201
+    pair = [{"text": "a cat runs", "text_pair": "a dog runs"}]
+    r = client.post("/tasks/single/predict", json={"inputs": pair})
+    assert r.status_code == 422 and "reads single texts" in r.json()["detail"]
+    r = client.post("/tasks/pair/predict", json={"inputs": "a cat runs"})
+    assert r.status_code == 422 and "scores sentence pairs" in r.json()["detail"]
+    assert client.post("/tasks/pair/predict", json={"inputs": pair}).status_code == 200
+    # a patch from before text_pair was recorded: both forms, as before
+    assert client.post("/tasks/legacy/predict", json={"inputs": pair}).status_code == 200
+    assert client.post("/tasks/legacy/predict", json={"inputs": "a cat"}).status_code == 200
+    # options that only classification has are refused, not ignored; so is a field the route does not know
+    r = client.post("/tasks/sts/predict", json={"inputs": pair, "top_k": 2})
+    assert r.status_code == 422 and "top_k and all_scores apply to classification" in r.json()["detail"]
+    r = client.post("/tasks/single/predict", json={"inputs": "a cat", "topk": 2})
+    assert r.status_code == 422 and "topk" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ('{"inputs": "x", "top_k": NaN}', "top_k: Input should be a valid integer"),
+        ('{"inputs": "x", "top_k": Infinity}', "top_k"),
+        ('{"inputs": "x", "top_k": true}', "top_k: Input should be a valid integer"),
+        ('{"inputs": "x", "top_k": 1e400}', "top_k"),
+        ('{"inputs": "x\\ud800"}', "lone UTF-16 surrogate at character 1"),
+        ('{"inputs": [{"text": "a", "text_pair": "\\udfff"}]}', "inputs.0.text_pair"),
+        ('{"inputs": 5}', "inputs must be a text, a list of texts"),
+        ('{"inputs": ["a", 3]}', "inputs.1"),
+        ('{"inputs": ' + "[" * 50_000 + "]" * 50_000 + "}", "parsing the body"),
+        ('{"inputs": "x", "all_scores": "yes"}', "all_scores"),
+        ("not json", "JSON"),
+        ("[]", "body"),
+    ],
+    ids=lambda v: v[:30] if isinstance(v, str) else None,
+)
+def test_client_input_never_ends_in_a_5xx(make_client, tiny_encoder, body, words):
+    client = make_client()
+    upload(client, make_patch(tiny_encoder, "t"))
+    r = client.post("/tasks/t/predict", content=body, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    detail = r.json()["detail"]
+    assert isinstance(detail, str) and words in detail, detail  # one error shape: {"detail": "..."}
+
+
 def test_task_management_routes(make_client, tiny_encoder):
     client = make_client()
     a, b = make_patch(tiny_encoder, "t", seed=1), make_patch(tiny_encoder, "t", seed=2)
@@ -187,6 +272,22 @@ def test_auth(make_client, tiny_encoder):
         r = client.post("/tasks/t/predict", json={"inputs": "x"}, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200
     assert client.get("/healthz").status_code == 200  # probes need no token
+    # reads (task metadata: labels, metrics, training settings) need a token too; probes and metrics do not
+    for path in ("/tasks", "/tasks/t"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer nope"}).status_code == 403
+        for token in ("pr3d", "adm1n"):
+            assert client.get(path, headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert client.get(path).status_code == 200, path
+
+
+def test_with_only_an_admin_token_predict_is_open_and_reads_need_it(make_client, tiny_encoder):
+    client = make_client(admin_token="adm1n")
+    assert upload(client, make_patch(tiny_encoder, "t"), {"Authorization": "Bearer adm1n"}).status_code == 201
+    assert client.post("/tasks/t/predict", json={"inputs": "x"}).status_code == 200
+    assert client.get("/tasks").status_code == 401
+    assert client.get("/tasks/t", headers={"Authorization": "Bearer adm1n"}).status_code == 200
 
 
 def test_ops_routes_and_openapi(make_client, tiny_encoder):
@@ -223,11 +324,26 @@ def test_ops_routes_and_openapi(make_client, tiny_encoder):
 
 
 def test_overload_is_503_with_retry_after(make_client, tiny_encoder):
-    client = make_client(max_queue_rows=2)
+    # rows wait up to 1 s for company, so the first request's 3 rows fill the queue while the second arrives
+    client = make_client(max_queue_rows=3, max_inputs_per_request=3, max_wait_ms=1000)
     upload(client, make_patch(tiny_encoder, "t"))
-    r = client.post("/tasks/t/predict", json={"inputs": ["a", "b", "c"]})
+    first: list = []
+    waiting = threading.Thread(
+        target=lambda: first.append(client.post("/tasks/t/predict", json={"inputs": ["a", "b", "c"]}))
+    )
+    waiting.start()
+    batcher = client.app.state.service.batcher
+    wait_until(lambda: batcher.queued_rows == 3, what="the first request's rows to queue")
+    r = client.post("/tasks/t/predict", json={"inputs": "d"})
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queued" in r.json()["detail"]
-    assert client.post("/tasks/t/predict", json={"inputs": ["a", "b"]}).status_code == 200
+    waiting.join()
+    assert first[0].status_code == 200
+    assert client.post("/tasks/t/predict", json={"inputs": "d"}).status_code == 200
+
+
+def test_a_request_that_could_never_fit_the_queue_is_refused_at_start_up(tiny_bert_dir, tmp_path):
+    with pytest.raises(ValueError, match="max_queue_rows"):
+        settings_for(f"disk://{tmp_path}", tiny_bert_dir, max_queue_rows=2, max_inputs_per_request=3)
 
 
 def test_slow_requests_time_out_with_504(make_client, tiny_encoder):
@@ -237,10 +353,42 @@ def test_slow_requests_time_out_with_504(make_client, tiny_encoder):
     assert r.status_code == 504 and "REQUEST_TIMEOUT" in r.json()["detail"]
 
 
-def test_oversized_body_is_413(make_client):
-    client = make_client(max_body_bytes=2048)
-    r = client.post("/tasks/t/predict", json={"inputs": "x" * 5000})
-    assert r.status_code == 413 and "MAX_BODY_BYTES" in r.json()["detail"]
+def test_body_limits_hold_with_and_without_a_content_length(make_client, tiny_encoder):
+    client = make_client(max_body_bytes=16384, max_predict_body_bytes=2048)
+    patch = make_patch(tiny_encoder, "t")  # ~5 KB: under the upload limit, over the predict one
+    assert upload(client, patch).status_code == 201
+    small = json.dumps({"inputs": "the movie was good"}).encode()
+    big = json.dumps({"inputs": "x" * 5000}).encode()
+
+    def chunked(data: bytes):  # a generator body goes out with Transfer-Encoding: chunked, no Content-Length
+        for i in range(0, len(data), 512):
+            yield data[i : i + 512]
+
+    json_type = {"content-type": "application/json"}
+    for content in (big, chunked(big)):
+        r = client.post("/tasks/t/predict", content=content, headers=json_type)
+        assert r.status_code == 413, r.text
+        assert "2048 bytes" in r.json()["detail"] and "PATCHSERVE_MAX_PREDICT_BODY_BYTES" in r.json()["detail"]
+    for content in (small, chunked(small)):
+        assert client.post("/tasks/t/predict", content=content, headers=json_type).status_code == 200
+    # uploads have the larger limit, chunked or not
+    huge = b"\0" * 20000
+    r = client.post("/tasks", files={"patch": ("p.safetensors", huge)})
+    assert r.status_code == 413 and "PATCHSERVE_MAX_BODY_BYTES" in r.json()["detail"], r.text
+    boundary = "b0undary"
+    form = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="patch"; filename="p.safetensors"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + huge
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    r = client.post(
+        "/tasks", content=chunked(form), headers={"content-type": f"multipart/form-data; boundary={boundary}"}
+    )
+    assert r.status_code == 413 and "16384 bytes" in r.json()["detail"], r.text
+    assert [t["version"] for t in client.get("/tasks").json()] == [1]  # nothing was registered
 
 
 def wait_until(pred, timeout=20.0, what="condition"):
@@ -325,3 +473,33 @@ def test_a_redis_that_refuses_writes_is_a_503_that_says_why(make_client, tiny_en
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_redis_password_never_leaves_the_server(make_client, tiny_encoder, tmp_path, caplog):
+    """Not in /readyz (which needs no token), not in 503 bodies, not in the logs."""
+    proc, url = start_redis(tmp_path, password="s3cret-pw")
+    assert ":s3cret-pw@" in url
+    try:
+        with caplog.at_level(logging.INFO):
+            client = make_client(url)
+            ready = client.get("/readyz").json()
+            assert ready["registry"] == url.replace("s3cret-pw", "***")
+            assert upload(client, make_patch(tiny_encoder)).status_code == 201
+            proc.terminate()
+            proc.wait(timeout=10)
+            bodies = [client.get("/readyz"), client.get("/tasks"), upload(client, make_patch(tiny_encoder, seed=2))]
+            bodies.append(client.get("/jobs"))
+            rows = "".join(json.dumps(row) + "\n" for row in synthetic_rows("classification", 20, 1))
+            bodies.append(
+                client.post("/jobs", files={"train": ("t.jsonl", rows.encode())}, data={"config": '{"task": "t"}'})
+            )
+            assert [r.status_code for r in bodies] == [503] * 5
+            for r in bodies:
+                assert "s3cret-pw" not in r.text and ":***@" in r.text, r.text
+            wait_until(lambda: "registry watch failed" in caplog.text, what="the watcher to notice")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+    assert "s3cret-pw" not in caplog.text
+    assert redact_url("redis://user:pw@h:1/0?password=pw&prefix=a:") == "redis://user:***@h:1/0?password=***&prefix=a:"

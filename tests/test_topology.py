@@ -112,7 +112,7 @@ def _train(base: str, seed: int) -> dict:
     assert job["status"] == "queued" and job["task"] == "sentiment"
     done = _wait(
         lambda: (
-            (j := httpx.get(f"{base}/jobs/{job['id']}", timeout=5).json())["status"]
+            (j := httpx.get(f"{base}/jobs/{job['id']}", headers=AUTH, timeout=5).json())["status"]
             in ("succeeded", "failed", "rejected")
             and j
         ),
@@ -137,7 +137,8 @@ def test_compose_session_on_two_replicas_and_a_worker(topology):
     assert first["result"]["version"] == 1 and first["result"]["dev"]["accuracy"] >= 0.9
     # 2. both replicas list and serve it, with identical answers
     for base in (a, b):
-        tasks = httpx.get(f"{base}/tasks", timeout=5).json()
+        assert httpx.get(f"{base}/tasks", timeout=5).status_code == 401  # with a token set, reads need one
+        tasks = httpx.get(f"{base}/tasks", headers=AUTH, timeout=5).json()
         assert [(t["name"], t["version"]) for t in tasks] == [("sentiment", 1)]
     pa, pb = _predict(a), _predict(b)
     assert pa == pb and pa["version"] == 1 and pa["patch_id"] == first["result"]["patch_id"]
@@ -155,7 +156,7 @@ def test_compose_session_on_two_replicas_and_a_worker(topology):
     # 5. mutating routes need the admin token on every replica
     for base in (a, b):
         assert httpx.post(f"{base}/tasks/sentiment/rollback", json={"version": 2}, timeout=10).status_code == 401
-    detail = httpx.get(f"{b}/tasks/sentiment", timeout=5).json()
+    detail = httpx.get(f"{b}/tasks/sentiment", headers=AUTH, timeout=5).json()
     assert detail["current"] == 1 and [v["version"] for v in detail["versions"]] == [1, 2]
     metrics = httpx.get(f"{a}/metrics", timeout=5).text
     assert 'patchserve_jobs{status="succeeded"} 2.0' in metrics

@@ -16,7 +16,7 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from patches.jobs import JobError, JobQueue
+from patches.jobs import JobError, JobLimits, JobQueue, JobStateError
 from patches.store.redis import RedisRegistry
 from server.app import create_app
 from server.settings import ServerSettings
@@ -196,18 +196,20 @@ def test_job_api_end_to_end(redis_ns, tiny_bert_dir, tiny_encoder):
         r = client.post("/jobs", files=files, data={"config": json.dumps(CONFIG)}, headers=auth)
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
-        assert client.get(f"/jobs/{job_id}").json()["status"] == "queued"
+        assert client.get(f"/jobs/{job_id}").status_code == 401  # with a token set, reads need one too
+        assert client.get(f"/jobs/{job_id}", headers=auth).json()["status"] == "queued"
         bad = client.post("/jobs", files=files, data={"config": json.dumps({"task": "x", "lr": "fast"})}, headers=auth)
         assert bad.status_code == 422
         assert client.post("/jobs", files=files, data={"config": "{not json"}, headers=auth).status_code == 422
         Worker(queue, reg, tiny_encoder, block_s=0.2).run(max_jobs=1)
-        job = client.get(f"/jobs/{job_id}").json()
+        job = client.get(f"/jobs/{job_id}", headers=auth).json()
         assert job["status"] == "succeeded" and job["result"]["version"] == 1
-        assert [j["id"] for j in client.get("/jobs").json()] == [job_id]
+        assert [j["id"] for j in client.get("/jobs", headers=auth).json()] == [job_id]
         pred = client.post("/tasks/sent/predict", json={"inputs": ["the good movie", "a bad film"]}).json()
         assert pred["patch_id"] == job["result"]["patch_id"]
         assert [p["label"] for p in pred["predictions"]] == ["positive", "negative"]
-        assert client.get("/jobs/nope").status_code == 404
+        assert client.get("/jobs/nope", headers=auth).status_code == 404
+        assert client.get("/jobs?limit=0", headers=auth).status_code == 422  # limit 0 once listed every job
 
 
 def test_job_api_refuses_bad_data_at_once_naming_file_and_line(redis_ns, tiny_bert_dir):
@@ -272,8 +274,8 @@ def test_cli_submit_checks_the_data_before_queueing(redis_ns, tmp_path, tiny_enc
 def test_job_api_without_redis_says_what_to_set(tmp_path, tiny_bert_dir):
     settings = ServerSettings(registry=f"disk://{tmp_path}/reg", model=str(tiny_bert_dir), device="cpu", slots=2)
     with TestClient(create_app(settings)) as client:
-        r = client.get("/jobs")
-        assert r.status_code == 503 and "PATCHSERVE_QUEUE" in r.json()["detail"]
+        r = client.get("/jobs")  # 501, not 503: no retry will ever succeed on this server
+        assert r.status_code == 501 and "PATCHSERVE_QUEUE" in r.json()["detail"]
 
 
 def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
@@ -301,6 +303,141 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
     assert {d.worker for d in done} == {"w0", "w1"}
     assert reg.tasks() == [f"task{i}" for i in range(4)]
     assert all([v.version for v in reg.versions(f"task{i}")] == [1] for i in range(4))
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"max_seq_length": True}, "max_seq_length: Input should be a valid integer"),  # a bool is not an int
+        ({"epochs": "5"}, "epochs: Input should be a valid number"),
+        ({"min_steps": 1.5}, "min_steps: Input should be a valid integer"),
+        ({"min_steps": 10**12}, "min_steps: Input should be less than or equal to 10000000"),
+        ({"restarts": 10**6}, "restarts: Input should be less than or equal to 100"),
+        ({"restarts": 50, "lr_search": [1e-3, 2e-3, 3e-3]}, "restarts x learning rates is 150"),
+        ({"eval_every": 0}, "eval_every: Input should be greater than or equal to 1"),
+        ({"task": "sent\n"}, "invalid task name 'sent\\n'"),
+        ({"device": "cuda:0\n"}, "device: String should match pattern"),
+        ({"gate": {"min_dev": "0.8"}}, "gate: min_dev: Input should be a valid number"),
+        ({"gate": {"min_dev": 0.8, "minimum": 1}}, "gate must be an object"),
+    ],
+)
+def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):
+    url, _reg, queue = redis_ns
+    settings = ServerSettings(registry=url, model=str(tiny_bert_dir), device="cpu", slots=2)
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/jobs", files={"train": _files()["train"]}, data={"config": json.dumps(CONFIG | change)})
+        assert r.status_code == 422 and problem in r.json()["detail"], r.text
+    assert queue.list() == []
+
+
+def test_a_job_over_the_deployments_limits_is_refused_or_stopped(redis_ns, tiny_bert_dir, tiny_encoder):
+    url, reg, queue = redis_ns
+    settings = ServerSettings(registry=url, model=str(tiny_bert_dir), device="cpu", slots=2, max_job_updates=500)
+    with TestClient(create_app(settings)) as client:
+        r = client.post(
+            "/jobs", files={"train": _files()["train"]}, data={"config": json.dumps(CONFIG | {"restarts": 2})}
+        )
+        assert r.status_code == 422, r.text
+        assert "would make 600 updates (2 run(s) x 300), over this deployment's limit of 500" in r.json()["detail"]
+        assert (
+            client.post("/jobs", files={"train": _files()["train"]}, data={"config": json.dumps(CONFIG)}).status_code
+            == 202
+        )
+    # the worker has its own caps: a job queued around the server (patchserve submit) meets them there
+    big = queue.submit(CONFIG | {"restarts": 2}, _files())
+    Worker(queue, reg, tiny_encoder, block_s=0.2, limits=JobLimits(max_updates=500)).run(max_jobs=2)
+    assert "over this deployment's limit of 500" in queue.get(big.id).error
+    slow = queue.submit(CONFIG | {"min_steps": 100_000, "max_steps": 100_000}, _files())
+    Worker(queue, reg, tiny_encoder, block_s=0.2, limits=JobLimits(max_seconds=1.0)).run(max_jobs=1)
+    done = queue.get(slow.id)
+    assert done.status == "failed" and "ran past this worker's limit of 1 s" in done.error, done.error
+    assert done.progress["step"] < 100_000 and reg.versions("sent")[-1].version == 1  # only the first job registered
+
+
+def test_cancel_a_queued_job(redis_ns, tiny_encoder):
+    _url, reg, queue = redis_ns
+    job = queue.submit(CONFIG, _files())
+    assert queue.cancel(job.id).status == "cancelled"
+    assert queue.file(job.id, "train") is None
+    with pytest.raises(JobStateError, match="already ended as cancelled"):
+        queue.cancel(job.id)
+    assert Worker(queue, reg, tiny_encoder, block_s=0.2).run(max_jobs=1) == 1  # takes the message, trains nothing
+    assert queue.get(job.id).status == "cancelled" and reg.tasks() == []
+    assert queue.r.xpending(queue.keys.job_stream, "patchserve-workers")["pending"] == 0
+
+
+def test_cancel_a_running_job_through_the_api_stops_it_at_its_next_update(redis_ns, tiny_bert_dir, tiny_encoder):
+    url, reg, queue = redis_ns
+    job = queue.submit(CONFIG | {"min_steps": 50_000, "eval_every": 1000}, _files())
+    stop = threading.Event()
+    worker = threading.Thread(target=Worker(queue, reg, tiny_encoder, block_s=0.2).run, kwargs={"stop": stop})
+    worker.start()
+    settings = ServerSettings(
+        registry=url, model=str(tiny_bert_dir), device="cpu", slots=2, admin_token="adm1n", predict_token="pr3d"
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            _wait(lambda: queue.get(job.id).progress.get("step", 0) >= 20, what="training to start")
+            assert client.post(f"/jobs/{job.id}/cancel").status_code == 401
+            assert client.post(f"/jobs/{job.id}/cancel", headers={"Authorization": "Bearer pr3d"}).status_code == 403
+            r = client.post(f"/jobs/{job.id}/cancel", headers={"Authorization": "Bearer adm1n"})
+            assert r.status_code == 200 and r.json()["status"] == "running" and r.json()["cancel_requested"]
+            _wait(lambda: queue.get(job.id).status == "cancelled", what="the worker to stop the job")
+            # reads of jobs need a token as well: configs, errors and tracebacks are not for everyone
+            assert client.get(f"/jobs/{job.id}").status_code == 401
+            done = client.get(f"/jobs/{job.id}", headers={"Authorization": "Bearer pr3d"}).json()
+            assert client.get("/jobs", headers={"Authorization": "Bearer adm1n"}).status_code == 200
+            r = client.post(f"/jobs/{job.id}/cancel", headers={"Authorization": "Bearer adm1n"})
+            assert r.status_code == 409 and "already ended as cancelled" in r.json()["detail"]
+            r = client.post(f"/jobs/{'0' * 32}/cancel", headers={"Authorization": "Bearer adm1n"})
+            assert r.status_code == 404
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+    assert done["error"].startswith("cancelled at update ") and done["progress"]["step"] < 50_000
+    assert reg.tasks() == [] and queue.r.xpending(queue.keys.job_stream, "patchserve-workers")["pending"] == 0
+
+
+def test_a_worker_given_sigterm_hands_its_job_back_at_once(redis_ns, tiny_bert_dir, tiny_encoder, capsys):
+    from patches.cli import main
+
+    url, reg, queue = redis_ns
+    exe = shutil.which("patchserve")
+    assert exe, "patchserve console script not installed"
+    job = queue.submit(CONFIG | {"min_steps": 50_000, "eval_every": 1000}, _files())
+    proc = subprocess.Popen(
+        [exe, "worker", "--registry", url, "--model", str(tiny_bert_dir), "--name", "leaving", "--lease-s", "600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        _wait(lambda: queue.get(job.id).progress.get("step", 0) >= 20, what="the worker to train")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0  # the 50,000 updates would take many minutes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stderr.read().decode() if proc.stderr else ""
+    assert "handed back to the queue" in log, log
+    back = queue.get(job.id)
+    assert back.status == "queued" and back.attempts == 0 and back.worker is None
+    assert queue.r.xpending(queue.keys.job_stream, "patchserve-workers")["pending"] == 0
+    # the next worker takes it at once, without waiting for the 600 s lease
+    queue.update(job.id, config=CONFIG)
+    Worker(queue, reg, tiny_encoder, name="next", lease_s=600, block_s=0.2).run(max_jobs=1)
+    done = queue.get(job.id)
+    assert done.status == "succeeded" and done.attempts == 1 and done.worker == "next", done.error
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("PATCHSERVE_QUEUE", url)
+    try:
+        assert main(["jobs", "cancel", job.id]) == 1  # already ended: says so, exits 1
+        assert "already ended as succeeded" in capsys.readouterr().err
+        fresh = queue.submit(CONFIG, _files())
+        assert main(["jobs", "cancel", fresh.id]) == 0 and "cancelled" in capsys.readouterr().out
+        assert main(["jobs", "cancel"]) == 2
+    finally:
+        monkey.undo()
 
 
 if __name__ == "__main__":  # pragma: no cover

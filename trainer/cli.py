@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from patches.cli import add_registry_option
+from patches.store.base import redact_url
 
 SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "lr", "seed", "steps", "trainable_params", "seconds")
 
@@ -186,13 +187,15 @@ def _deliver(patch: Any, out: Path | None, registry: Any, args: argparse.Namespa
         if out is None:
             out = Path(f"{args.task}.safetensors")
             _deliver(patch, out, None, args, summary)
+        shown_url = redact_url(args.registry)
         print(
             f"error: the patch was trained but not registered: {exc}\nIt is saved in {out}; register it with: "
-            f"patchserve register {out} --registry {args.registry}",
+            f"patchserve register {out} --registry {shown_url}"
+            + (" (put your registry's password in place of ***)" if shown_url != args.registry else ""),
             file=sys.stderr,
         )
         return 1
-    summary["registered"] = {"registry": args.registry, "version": info.version, "patch_id": info.patch_id}
+    summary["registered"] = {"registry": redact_url(args.registry), "version": info.version, "patch_id": info.patch_id}
     return 0
 
 
@@ -241,7 +244,7 @@ def _worker(args: argparse.Namespace) -> int:
     import threading
 
     from patches.encoder import load_encoder
-    from patches.jobs import JobQueue
+    from patches.jobs import JobLimits, JobQueue
     from patches.store import open_registry
     from trainer.worker import Worker
 
@@ -249,7 +252,8 @@ def _worker(args: argparse.Namespace) -> int:
     queue, registry = JobQueue(_queue_url(args)), open_registry(args.registry)
     encoder = load_encoder(args.model)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the job in hand, then exit
+    # SIGTERM (docker stop, a Kubernetes rollout): stop training within a second or so, hand the job back, exit
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     worker = Worker(
         queue,
         registry,
@@ -258,6 +262,7 @@ def _worker(args: argparse.Namespace) -> int:
         lease_s=args.lease_s,
         max_attempts=args.max_attempts,
         device=args.device,
+        limits=JobLimits(max_updates=args.max_job_updates, max_seconds=args.max_job_seconds),
     )
     try:
         worker.run(stop, max_jobs=args.max_jobs)
@@ -287,9 +292,18 @@ def _submit(args: argparse.Namespace) -> int:
 def _jobs(args: argparse.Namespace) -> int:
     from patches.jobs import JobQueue
 
+    words = list(args.words)
+    if len(words) > 2 or (len(words) == 2 and words[0] != "cancel") or words == ["cancel"]:
+        print("error: use `patchserve jobs`, `patchserve jobs ID` or `patchserve jobs cancel ID`", file=sys.stderr)
+        return 2
     queue = JobQueue(_queue_url(args))
-    if args.id:
-        print(json.dumps(queue.get(args.id).to_dict(), indent=2))
+    if len(words) == 2:
+        job = queue.cancel(words[1])
+        ended = job.status == "cancelled"
+        print(f"job {job.id}: {'cancelled' if ended else 'asked to stop; its worker ends it at its next update'}")
+        return 0
+    if words:
+        print(json.dumps(queue.get(words[0]).to_dict(), indent=2))
         return 0
     jobs = queue.list(args.limit)
     if args.json:
@@ -349,7 +363,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         help="train queued jobs and register the patches that pass their gate",
         description="Claim training jobs from the Redis queue one at a time (several workers may "
         "share a queue), train, evaluate, register the patch if it passes the job's gate, ack. A "
-        "job of a worker that died is retried by another after --lease-s seconds.",
+        "job of a worker that died is retried by another after --lease-s seconds. On SIGTERM the worker stops "
+        "training within a second or so, hands its job back to the queue (the next free worker takes it at once) "
+        "and exits.",
     )
     add_registry_option(p)
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV}; default: the registry if Redis)")
@@ -373,6 +389,19 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-attempts", type=int, default=3, help="give a job up after this many attempts")
     p.add_argument("--max-jobs", type=int, help="exit after this many jobs (default: run until stopped)")
+    p.add_argument(
+        "--max-job-updates",
+        type=int,
+        default=int(os.environ.get("PATCHSERVE_MAX_JOB_UPDATES") or 100_000),
+        help="fail a job that plans more optimizer updates than this over all its runs (env "
+        "PATCHSERVE_MAX_JOB_UPDATES; default 100000, the server's limit for POST /jobs)",
+    )
+    p.add_argument(
+        "--max-job-seconds",
+        type=float,
+        default=float(os.environ.get("PATCHSERVE_MAX_JOB_SECONDS") or 24 * 3600),
+        help="stop a job (failed) that trains longer than this (env PATCHSERVE_MAX_JOB_SECONDS; default 86400)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_worker)
 
@@ -391,8 +420,13 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
     p.set_defaults(func=_submit)
 
-    p = sub.add_parser("jobs", help="show training jobs (all recent ones, or one by id)")
-    p.add_argument("id", nargs="?", help="a job id")
+    p = sub.add_parser(
+        "jobs",
+        help="show training jobs (all recent ones, or one by id), or cancel one",
+        description="`patchserve jobs` lists recent jobs, `patchserve jobs ID` shows one, `patchserve jobs cancel ID` "
+        "cancels one: a queued job ends at once, a running one at its worker's next update.",
+    )
+    p.add_argument("words", nargs="*", metavar="[cancel] ID", help="a job id, or 'cancel' and a job id")
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")

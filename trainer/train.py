@@ -50,6 +50,19 @@ class TrainResult:
 
 
 ProgressFn = Callable[[dict[str, Any]], None]
+StopFn = Callable[[], bool]
+
+
+class TrainingStopped(Exception):
+    """``should_stop`` said so: the run ended between two steps, and nothing was produced."""
+
+    def __init__(self, step: int, total: int) -> None:
+        super().__init__(f"stopped at update {step} of {total}")
+        self.step, self.total = step, total
+
+
+def _never() -> bool:
+    return False
 
 
 def progress_line(p: dict[str, Any]) -> str:
@@ -114,13 +127,18 @@ def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def evaluate(model: TaskModel, feats: list[Features], pad_id: int, batch_size: int = 64) -> dict[str, float]:
-    """Metrics of ``model`` on featurised data (eval mode; restores the previous mode)."""
+def evaluate(
+    model: TaskModel, feats: list[Features], pad_id: int, batch_size: int = 64, should_stop: StopFn = _never
+) -> dict[str, float]:
+    """Metrics of ``model`` on featurised data (eval mode; restores the previous mode). ``should_stop`` is asked
+    between batches (a long dev set must not delay a stop); it raises TrainingStopped(0, 0) when it says so."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     preds, golds = [], []
     for i in range(0, len(feats), batch_size):
+        if should_stop():
+            raise TrainingStopped(0, 0)
         b = collate(feats[i : i + batch_size], pad_id, model.kind, device)
         logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float()
         if model.kind == "regression":
@@ -179,6 +197,7 @@ def _run(
     seed: int,
     on_progress: ProgressFn | None,
     progress_every_s: float,
+    should_stop: StopFn,
 ) -> dict[str, Any]:
     """One training run (one seed, one learning rate); returns the best model and its history.
 
@@ -195,8 +214,7 @@ def _run(
     groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
-    total = max(config.min_steps, math.ceil(config.epochs * steps_per_epoch))
-    total = min(total, config.max_steps) if config.max_steps else total
+    total = config.planned_steps(len(train))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
     # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the epoch
     # (and the evaluations) stretch with it, so patience always spans the same share of the run and cannot end
@@ -220,6 +238,9 @@ def _run(
     t0 = last_report = time.perf_counter()
     last_dev: dict[str, float] | None = None
     while step < total:
+        if should_stop():
+            bar.close()
+            raise TrainingStopped(step, total)
         if not order:
             order = list(range(len(train)))
             rng.shuffle(order)
@@ -238,7 +259,11 @@ def _run(
         bar.update(1)
         evaluated = step % eval_every == 0 or step == total
         if evaluated:
-            metrics = last_dev = evaluate(model, dev, pad_id)
+            try:
+                metrics = last_dev = evaluate(model, dev, pad_id, should_stop=should_stop)
+            except TrainingStopped:
+                bar.close()
+                raise TrainingStopped(step, total) from None
             history.append({"step": step, "loss": running, f"dev_{primary}": metrics[primary]})
             bar.set_postfix(loss=f"{running:.4f}", dev=f"{metrics[primary]:.4f}")
             if metrics[primary] > best["score"]:
@@ -298,11 +323,14 @@ def train_patch(
     test: Dataset | None = None,
     on_progress: ProgressFn | None = None,
     progress_every_s: float = 2.0,
+    should_stop: StopFn = _never,
 ) -> TrainResult:
     """Train a BitFit patch (or, with ``config.full``, fully fine-tune for comparison) on ``train``.
 
     The encoder passed in is never modified: every run trains a copy. ``on_progress`` is called at every dev
-    evaluation and at least every ``progress_every_s`` seconds in between.
+    evaluation and at least every ``progress_every_s`` seconds in between. ``should_stop`` is asked before every
+    update and between evaluation batches; when it says so, TrainingStopped is raised (a cancelled job, a worker
+    shutting down, a job over its time limit).
     """
     kind, labels = train.kind, train.labels
     if dev.kind != kind or (test is not None and test.kind != kind):
@@ -319,7 +347,20 @@ def train_patch(
     lrs = config.lr_search or [config.lr]
     t0 = time.perf_counter()
     runs = [
-        _run(encoder, train_f, dev_f, config, kind, n_out, pooling, lr, config.seed + r, on_progress, progress_every_s)
+        _run(
+            encoder,
+            train_f,
+            dev_f,
+            config,
+            kind,
+            n_out,
+            pooling,
+            lr,
+            config.seed + r,
+            on_progress,
+            progress_every_s,
+            should_stop,
+        )
         for lr in lrs
         for r in range(config.restarts)
     ]
@@ -352,7 +393,11 @@ def train_patch(
         "config": asdict(config),
     }
     if test is not None:
-        report["test"] = evaluate(model, featurize(tok, test, labels, max_len), int(tok.pad_token_id or 0))
+        test_f = featurize(tok, test, labels, max_len)
+        try:
+            report["test"] = evaluate(model, test_f, int(tok.pad_token_id or 0), should_stop=should_stop)
+        except TrainingStopped:
+            raise TrainingStopped(best["steps"], best["planned_steps"]) from None
     report["bias_movement"] = bias_movement(model.encoder, encoder.model)
     for r in runs:
         if r is not best:
@@ -369,6 +414,7 @@ def train_patch(
         bias_subset=config.bias_subset,
         pooling=pooling,
         max_seq_length=max_len,
+        text_pair=train.is_pair,
         metrics=metrics,
         training={k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params")},
     )

@@ -2,7 +2,9 @@
 
 The encoder is loaded once at start-up and handed to every job. Several workers (on several machines) share one
 queue; each job goes to one of them. A worker killed mid-job leaves its job pending; another worker claims it once
-the lease has run out and retries it. A job is registered at most once (see ``patches.jobs``).
+the lease has run out and retries it. A worker told to stop (SIGTERM) stops training within a second or so and
+hands its job back to the queue at once. A job is registered at most once (see ``patches.jobs``), and stops early
+when it is cancelled or runs past the operator's time limit (``JobLimits``).
 """
 
 from __future__ import annotations
@@ -18,18 +20,44 @@ from typing import Any
 from patches.encoder import Encoder
 from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
 from patches.format import Patch
-from patches.jobs import TERMINAL, Gate, Job, JobQueue, TrainConfig
+from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue, TrainConfig
 from patches.store import Registry
 from trainer.data import DataError, Dataset, job_splits
 from trainer.metrics import PRIMARY
-from trainer.train import progress_line, train_patch
+from trainer.train import TrainingStopped, progress_line, train_patch
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0  # seconds between progress lines in the log
+POLL_CANCEL_S = 1.0  # how often a training job looks for a cancel request
 
 
 class LeaseLostError(RuntimeError):
     """Another worker took over this job (this one was presumed dead)."""
+
+
+class JobStop:
+    """Asked by the training loop before every update: should this job stop now, and why.
+
+    ``shutdown`` (the worker was told to stop: it hands the job back), ``cancelled`` (POST /jobs/{id}/cancel, seen
+    by polling the job at most once a second) or ``time limit`` (the job ran past ``JobLimits.max_seconds``)."""
+
+    def __init__(self, queue: JobQueue, job_id: str, shutdown: threading.Event, max_seconds: float) -> None:
+        self.queue, self.job_id, self.shutdown = queue, job_id, shutdown
+        self.deadline = time.monotonic() + max_seconds
+        self.reason: str | None = None
+        self._polled = time.monotonic()
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if self.shutdown.is_set():
+            self.reason = "shutdown"
+        elif now > self.deadline:
+            self.reason = "time limit"
+        elif now - self._polled >= POLL_CANCEL_S:
+            self._polled = now
+            if self.queue.cancel_requested(self.job_id):
+                self.reason = "cancelled"
+        return self.reason is not None
 
 
 class Worker:
@@ -44,6 +72,7 @@ class Worker:
         block_s: float = 2.0,
         max_attempts: int = 3,
         device: str = "auto",
+        limits: JobLimits | None = None,
     ) -> None:
         self.queue = queue
         self.registry = registry
@@ -53,10 +82,15 @@ class Worker:
         self.block_s = block_s
         self.max_attempts = max_attempts
         self.device = device
+        self.limits = limits or JobLimits()
+        self.shutdown = threading.Event()
 
     def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
-        """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled."""
-        stop = stop or threading.Event()
+        """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled.
+
+        Setting ``stop`` (SIGTERM in ``patchserve worker``) also stops a job in training within a second or so and
+        hands it back to the queue, where the next free worker takes it at once."""
+        self.shutdown = stop = stop or threading.Event()
         self.queue.ensure_group()
         done = 0
         log.info("worker %s: waiting for jobs on %s", self.name, self.queue.url)
@@ -92,13 +126,24 @@ class Worker:
             )
             self.queue.ack(msg_id)
             return
-        self.queue.update(job_id, status="running", worker=self.name, attempts=attempts, started_at=time.time())
+        if not self.queue.start(job_id, self.name, attempts):  # cancelled before it started
+            if self.queue.get(job_id).status not in TERMINAL:
+                self.queue.finish(job_id, "cancelled", error="cancelled before it started")
+            self.queue.ack(msg_id)
+            return
         log.info("job %s (%s): attempt %d on %s", job_id, job.task, attempts, self.name)
+        stop = JobStop(self.queue, job_id, self.shutdown, self.limits.max_seconds)
         try:
-            status, values = self._execute(job, msg_id)
+            status, values = self._execute(job, msg_id, stop)
         except LeaseLostError:
             log.warning("job %s was taken over by another worker; dropping it here", job_id)
             return
+        except TrainingStopped as exc:
+            if stop.reason == "shutdown":
+                self.queue.hand_back(job_id, msg_id, job.attempts)
+                log.info("job %s: stopped at update %d of %d and handed back to the queue", job_id, exc.step, exc.total)
+                return
+            status, values = self._stopped(stop.reason, exc)
         except (RegistryUnavailableError, ConnectionError) as exc:
             # transient: leave the message pending, so this or another worker retries after the lease
             log.warning("job %s: %s; it will be retried", job_id, exc)
@@ -112,9 +157,18 @@ class Worker:
             )
         self.queue.finish(job_id, status, **values)
         self.queue.ack(msg_id)
-        log.info("job %s: %s", job_id, status)
+        log.info("job %s: %s%s", job_id, status, f" ({values['error']})" if values.get("error") else "")
 
-    def _execute(self, job: Job, msg_id: str) -> tuple[str, dict[str, Any]]:
+    def _stopped(self, reason: str | None, exc: TrainingStopped) -> tuple[str, dict[str, Any]]:
+        where = f"at update {exc.step} of {exc.total}" if exc.total else "before training"
+        if reason == "cancelled":
+            return "cancelled", {"error": f"cancelled {where}"}
+        return "failed", {
+            "error": f"stopped {where}: the job ran past this worker's limit of {self.limits.max_seconds:g} s "
+            "(PATCHSERVE_MAX_JOB_SECONDS)"
+        }
+
+    def _execute(self, job: Job, msg_id: str, stop: JobStop) -> tuple[str, dict[str, Any]]:
         stashed = self.queue.stashed_patch(job.id)
         if stashed is not None:  # an earlier attempt trained it and may have died while registering
             patch = Patch.from_bytes(stashed)
@@ -124,8 +178,11 @@ class Worker:
             config.device = self.device
         try:
             train, dev, test = self._datasets(job, config)
+            self.limits.check(config, len(train))  # a job queued past the server (patchserve submit) meets it here
         except DataError as exc:
             return "failed", {"error": f"bad data: {exc}"}
+        except JobError as exc:
+            return "failed", {"error": str(exc)}
         last_beat, last_log = [0.0], [0.0]
 
         def progress(p: dict[str, Any]) -> None:
@@ -139,7 +196,7 @@ class Worker:
                 last_log[0] = now
                 log.info("job %s: %s", job.id, progress_line(p))
 
-        result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress)
+        result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress, should_stop=stop)
         report, primary = result.report, PRIMARY[result.report["kind"]]
         summary = {
             "dev": report["dev"],
@@ -152,7 +209,9 @@ class Worker:
         }
         if result.patch is None:  # --full: a report only
             return "succeeded", {"result": summary}
-        verdict = self._gate(Gate(**job.gate), job.task, report["dev"][primary], primary)
+        if self.queue.cancel_requested(job.id):  # cancelled while the last steps ran: do not register
+            return "cancelled", {"result": summary, "error": "cancelled after training; the patch was not registered"}
+        verdict = self._gate(Gate.from_dict(job.gate), job.task, report["dev"][primary], primary)
         if verdict is not None:
             return "rejected", {"result": summary, "error": verdict}
         if not self.queue.heartbeat(self.name, msg_id):

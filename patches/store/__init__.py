@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from patches.errors import RegistryError
-from patches.store.base import Change, Registry, VersionInfo, diff_snapshots
+from patches.store.base import Change, Registry, VersionInfo, diff_snapshots, redact_url
 from patches.store.disk import DiskRegistry
 
 
@@ -38,8 +38,19 @@ def open_registry(url: str) -> Registry:
     """Open the registry a URL names. A URL without a scheme is a disk folder."""
     scheme = url.split("://", 1)[0] if "://" in url else "disk"
     if scheme not in BACKENDS:
-        raise RegistryError(f"unknown registry URL scheme {scheme!r} in {url!r}; use one of {sorted(BACKENDS)}")
+        raise RegistryError(
+            f"unknown registry URL scheme {scheme!r} in {redact_url(url)!r}; use one of {sorted(BACKENDS)}"
+        )
     return BACKENDS[scheme](url)
 
 
-__all__ = ["BACKENDS", "Change", "DiskRegistry", "Registry", "VersionInfo", "diff_snapshots", "open_registry"]
+__all__ = [
+    "BACKENDS",
+    "Change",
+    "DiskRegistry",
+    "Registry",
+    "VersionInfo",
+    "diff_snapshots",
+    "open_registry",
+    "redact_url",
+]

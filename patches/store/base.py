@@ -14,9 +14,28 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from patches.errors import RegistryError
 from patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***`` (``redis://:s3cret@host`` -> ``redis://:***@host``,
+    and a ``?password=`` parameter likewise). Every registry or queue URL shown in an error, a log line or a
+    response is this form: ``Registry.url`` and ``JobQueue.url`` hold it, and only the connection sees the secret.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    secret_query = any(k.lower() == "password" for k, _ in query)
+    if parts.password is None and not secret_query:
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    if secret_query:
+        query = [(k, "***" if k.lower() == "password" else v) for k, v in query]
+    return parts._replace(netloc=netloc, query=urlencode(query, safe="*:/")).geturl()
 
 
 def utc_now() -> str:

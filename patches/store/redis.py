@@ -17,7 +17,7 @@ import redis
 
 from patches.errors import RegistryUnavailableError, TaskNotFoundError, VersionNotFoundError
 from patches.format import Patch, validate_task_name
-from patches.store.base import Registry, VersionInfo, utc_now
+from patches.store.base import Registry, VersionInfo, redact_url, utc_now
 from patches.store.redis_keys import DEFAULT_PREFIX, RedisKeys
 
 T = TypeVar("T")
@@ -57,12 +57,19 @@ def call_redis(fn: Callable[[], T], what: str) -> T:
         raise RegistryUnavailableError(f"{what} refuses writes ({exc}); {hint}") from exc
 
 
+def run_transaction(client: redis.Redis, fn: Callable[[Any], T], *watched: str, what: str) -> T:
+    """``fn(pipe)`` under WATCH on ``watched``, retried on a conflicting write; returns its value. Errors as in
+    ``call_redis``."""
+    run: Any = client.transaction
+    return call_redis(lambda: cast(T, run(fn, *watched, value_from_callable=True)), what)
+
+
 class RedisRegistry(Registry):
     """Registry in Redis (``redis://host:port/db``; add ``?prefix=name:`` to change the key prefix)."""
 
     def __init__(self, url: str, *, prefix: str | None = None, client: redis.Redis | None = None) -> None:
         conn_url, url_prefix = parse_redis_url(url)
-        self.url = url
+        self.url = redact_url(url)
         self.keys = RedisKeys(prefix if prefix is not None else url_prefix)
         self.r = client or redis.Redis.from_url(conn_url, socket_connect_timeout=5, health_check_interval=30)
         self._pubsub: Any = None
@@ -72,9 +79,7 @@ class RedisRegistry(Registry):
         return call_redis(fn, f"Redis registry at {self.url}")
 
     def _transaction(self, fn: Callable[[Any], T], *watched: str) -> T:
-        """Run ``fn(pipe)`` under WATCH on ``watched``, retrying on a conflicting write; return its value."""
-        run: Any = self.r.transaction
-        return self._call(lambda: cast(T, run(fn, *watched, value_from_callable=True)))
+        return run_transaction(self.r, fn, *watched, what=f"Redis registry at {self.url}")
 
     # --- writes --------------------------------------------------------------------------------------------
     def put(self, patch: Patch) -> VersionInfo:
