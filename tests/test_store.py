@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import random
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,8 @@ from patches.errors import (
 from patches.store import Change, DiskRegistry, open_registry
 from patches.store.redis import RedisRegistry, parse_redis_url
 from tests.helpers import make_patch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +219,111 @@ def test_disk_crash_mid_write_keeps_previous_version(tmp_path, patches_abc, monk
     assert not list((tmp_path / "reg" / "tasks" / "sentiment").glob(".*.tmp"))
     v = reg.put(c)  # the orphan v2 file is overwritten, not served
     assert v.version == 2 and reg.get("sentiment")[1].patch_id == c.patch_id
+
+
+# A child process that makes one registry change and dies (os._exit: no finally, no cleanup, as under kill -9)
+# right before its CRASH_AT-th rename. put renames the patch file, the manifest, then GENERATION; rollback the
+# manifest, then GENERATION; delete the task folder (into trash), then GENERATION.
+_CRASHING_CHILD = """
+import os, sys
+from patches.format import Patch
+from patches.store.disk import DiskRegistry
+root, op, crash_at, patch_file = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+reg = DiskRegistry(root)
+renames, real = [0], os.replace
+def replace(src, dst):
+    renames[0] += 1
+    if renames[0] == crash_at:
+        os._exit(9)
+    real(src, dst)
+os.replace = replace
+{"put": lambda: reg.put(Patch.read(patch_file)), "rollback": lambda: reg.set_current("sentiment", 1),
+ "delete": lambda: reg.delete("sentiment")}[op]()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    "op, crash_at, visible",
+    [
+        ("put", 1, False),  # the patch file half-written (a stray temporary file)
+        ("put", 2, False),  # the patch file in place, no manifest names it (an orphan)
+        ("put", 3, True),  # the manifest names v3, the generation never moved
+        ("rollback", 1, False),
+        ("rollback", 2, True),
+        ("delete", 1, False),
+        ("delete", 2, True),
+    ],
+)
+def test_disk_registry_is_safe_at_every_crash_point_for_watchers_too(tmp_path, patches_abc, op, crash_at, visible):
+    root = tmp_path / "reg"
+    reg = DiskRegistry(root, poll_interval=0.02)
+    a, b, c = patches_abc
+    reg.put(a), reg.put(b)
+    before = reg.snapshot()
+    patch_file = tmp_path / "c.safetensors"
+    patch_file.write_bytes(c.data)
+    stop, seen = threading.Event(), []
+    changes = reg.watch(stop, timeout=0.05)  # a running server's watcher, started before the crash
+    watcher = threading.Thread(target=lambda: [seen.extend(batch) for batch in changes])
+    watcher.start()
+    try:
+        args = [sys.executable, "-c", _CRASHING_CHILD, str(root), op, str(crash_at), str(patch_file)]
+        child = subprocess.run(args, cwd=ROOT, capture_output=True, timeout=120)
+        assert child.returncode == 9, child.stderr.decode()
+        after = reg.snapshot()
+        assert (after != before) == visible
+        if visible:  # the watcher learns of it although its writer died before announcing it
+            expected = [Change("sentiment", after.get("sentiment"))]
+            deadline = time.monotonic() + 10
+            while seen != expected:
+                assert time.monotonic() < deadline, f"the watcher saw {seen}, not {expected}"
+                time.sleep(0.02)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    # opening the registry (a restart) clears what the crash left: temporary files, orphan patch files, markers
+    reopened = DiskRegistry(root)
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+    assert not list((root / "pending").iterdir())
+    if "sentiment" in reopened.tasks():
+        files = sorted(p.name for p in (root / "tasks" / "sentiment").glob("*.safetensors"))
+        assert files == [f"v{v.version:08d}.safetensors" for v in reopened.versions("sentiment")]
+    assert reopened.snapshot() == after
+    next_version = {("delete", True): 1, ("put", True): 4}.get((op, visible), 3)
+    assert reopened.put(c).version == next_version and reopened.get("sentiment")[1].patch_id == c.patch_id
+
+
+_PUTTING_CHILD = """
+import sys
+from patches.format import Patch
+from patches.store.disk import DiskRegistry
+reg, patch = DiskRegistry(sys.argv[1]), Patch.read(sys.argv[2])
+while True:
+    print(reg.put(patch).version, flush=True)
+"""
+
+
+def test_kill_9_during_registrations_loses_no_acknowledged_version(tmp_path, patches_abc):
+    root, patch_file = tmp_path / "reg", tmp_path / "a.safetensors"
+    patch_file.write_bytes(patches_abc[0].data)
+    acknowledged: list[int] = []
+    rng = random.Random(0)
+    for _ in range(5):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _PUTTING_CHILD, str(root), str(patch_file)], cwd=ROOT, stdout=subprocess.PIPE
+        )
+        assert child.stdout is not None
+        for _ in range(rng.randint(1, 40)):  # killed somewhere inside a later put
+            acknowledged.append(int(child.stdout.readline()))
+        child.kill()
+        child.wait(timeout=10)
+    reg = DiskRegistry(root)
+    stored = [v.version for v in reg.versions("sentiment")]
+    assert set(acknowledged) <= set(stored) and stored == list(range(1, len(stored) + 1))
+    for v in stored:
+        assert reg.get("sentiment", v)[1].patch_id == patches_abc[0].patch_id
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")] and not list((root / "pending").iterdir())
 
 
 def test_disk_detects_a_damaged_patch_file(tmp_path, patches_abc):

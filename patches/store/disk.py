@@ -4,12 +4,20 @@ Layout under the root::
 
     GENERATION                       counter, rewritten atomically on every change (what watchers poll)
     locks/<task>.lock, locks/.global  flock files (outside task folders, so a delete cannot strand a waiter)
+    pending/<task>                   a change of that task is under way (see below)
     tasks/<task>/manifest.json       {"current": n, "last": n, "versions": {"1": VersionInfo, ...}}
     tasks/<task>/v00000001.safetensors
 
 Every file is written to a temporary name, fsynced, renamed into place and the folder fsynced. A patch file is
 written before the manifest that names it, so a reader never sees a half-written patch and a crash mid-write leaves
-the previous version current (the orphan file is overwritten by the next put).
+the previous version current.
+
+Watchers poll GENERATION, so a change must never become visible without the generation moving, even when its
+writer dies in between. Each change is bracketed by a marker, ``pending/<task>``, created before its first
+visible write and removed after the generation moved (all under the task's lock). A marker whose task lock is free
+belongs to a writer that died: whoever finds it (a watcher polling, or anyone opening the registry) moves the
+generation on its behalf and removes it. Opening a registry also removes what a crash can leave behind: temporary
+files, a patch file no manifest names, a task folder without a manifest.
 """
 
 from __future__ import annotations
@@ -25,11 +33,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from patches.errors import RegistryError, RegistryUnavailableError, TaskNotFoundError, VersionNotFoundError
+from patches.errors import (
+    InvalidTaskNameError,
+    RegistryError,
+    RegistryUnavailableError,
+    TaskNotFoundError,
+    VersionNotFoundError,
+)
 from patches.format import FILE_SUFFIX, Patch, validate_task_name
 from patches.store.base import Registry, VersionInfo, utc_now
 
 MANIFEST = "manifest.json"
+TMP_SUFFIX = ".tmp"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -40,9 +55,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _is_task_name(name: str) -> bool:
+    try:
+        validate_task_name(name)
+    except InvalidTaskNameError:
+        return False
+    return True
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see either the old file or the complete new one."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -62,21 +85,73 @@ class DiskRegistry(Registry):
         self.url = f"disk://{self.root}"
         self.poll_interval = poll_interval
         try:
-            for sub in ("tasks", "locks", "trash"):
+            for sub in ("tasks", "locks", "trash", "pending"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RegistryUnavailableError(f"cannot create registry folder {self.root}: {exc}") from exc
-        self._clean_trash()
+        self._recover()
+        self._clean_up()
 
     # --- locking & manifests -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _lock(self, name: str) -> Iterator[None]:
+    def _lock(self, name: str, *, wait: bool = True) -> Iterator[bool]:
+        """Hold the flock ``locks/<name>``; with ``wait=False``, yield False at once when another holds it."""
         with open(self.root / "locks" / name, "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
-                yield
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def _changing(self, task: str) -> Iterator[None]:
+        """One change of ``task``: under its lock, between a ``pending/`` marker and a generation bump."""
+        marker = self.root / "pending" / task
+        with self._lock(f"{task}.lock"):
+            marker.touch()
+            _fsync_dir(marker.parent)
+            try:
+                yield
+            finally:  # also after an error: whatever was written is announced (a spurious bump costs a diff)
+                self._bump_generation()
+                marker.unlink()
+
+    def _recover(self) -> None:
+        """Move the generation for every change whose writer died between its first visible write and its
+        generation bump (its marker is there, its task lock is free)."""
+        for marker in (self.root / "pending").iterdir():
+            with self._lock(f"{marker.name}.lock", wait=False) as held:
+                if held and marker.exists():  # else: a live writer, or one that finished since the listing
+                    self._bump_generation()
+                    marker.unlink()
+
+    def _clean_up(self) -> None:
+        """Remove what a crash leaves behind, folder by folder under that folder's lock (a live writer in another
+        process keeps its files): temporary files, patch files no manifest names, task folders without one."""
+        for leftover in (self.root / "trash").iterdir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        with self._lock(".global"):
+            for tmp in self.root.glob(f".*{TMP_SUFFIX}"):
+                tmp.unlink(missing_ok=True)
+        for folder in (self.root / "tasks").iterdir():
+            if not _is_task_name(folder.name):
+                continue
+            with self._lock(f"{folder.name}.lock", wait=False) as held:
+                if held:
+                    self._clean_task_folder(folder)
+
+    def _clean_task_folder(self, folder: Path) -> None:
+        if not (folder / MANIFEST).is_file():  # a first put that died before its manifest: nothing was visible
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        named = {self._file(int(v)) for v in self._read_manifest(folder.name)["versions"]}
+        for path in folder.iterdir():
+            if path.name.endswith(TMP_SUFFIX) or (path.name.endswith(FILE_SUFFIX) and path.name not in named):
+                path.unlink(missing_ok=True)
 
     def _task_dir(self, task: str) -> Path:
         return self.root / "tasks" / validate_task_name(task)
@@ -107,15 +182,11 @@ class DiskRegistry(Registry):
     def _file(version: int) -> str:
         return f"v{version:08d}{FILE_SUFFIX}"
 
-    def _clean_trash(self) -> None:
-        for leftover in (self.root / "trash").iterdir():
-            shutil.rmtree(leftover, ignore_errors=True)
-
     # --- writes --------------------------------------------------------------------------------------------
     def put(self, patch: Patch) -> VersionInfo:
         task = validate_task_name(patch.meta.task)
         data = patch.data
-        with self._lock(f"{task}.lock"):
+        with self._changing(task):
             try:
                 manifest = self._read_manifest(task)
             except TaskNotFoundError:
@@ -128,28 +199,30 @@ class DiskRegistry(Registry):
             manifest["versions"][str(version)] = info.to_dict()
             manifest["current"] = manifest["last"] = version
             self._write_manifest(task, manifest)
-        self._bump_generation()
         return info
 
     def delete(self, task: str) -> None:
-        with self._lock(f"{validate_task_name(task)}.lock"):
-            folder = self._task_dir(task)
+        folder = self._task_dir(task)
+        if not (folder / MANIFEST).is_file():
+            raise TaskNotFoundError(task)
+        with self._changing(task):
             if not (folder / MANIFEST).is_file():
-                raise TaskNotFoundError(task)
+                raise TaskNotFoundError(task)  # deleted while we waited for the lock (nothing changed)
             trash = self.root / "trash" / f"{task}.{uuid.uuid4().hex}"
             os.replace(folder, trash)  # atomic: readers see the whole task or nothing
             _fsync_dir(self.root / "tasks")
             shutil.rmtree(trash, ignore_errors=True)
-        self._bump_generation()
 
     def set_current(self, task: str, version: int) -> VersionInfo:
-        with self._lock(f"{validate_task_name(task)}.lock"):
-            manifest = self._read_manifest(task)
+        manifest = self._read_manifest(task)
+        if str(version) not in manifest["versions"]:
+            raise VersionNotFoundError(task, version, sorted(int(v) for v in manifest["versions"]))
+        with self._changing(task):
+            manifest = self._read_manifest(task)  # again, under the lock
             if str(version) not in manifest["versions"]:
                 raise VersionNotFoundError(task, version, sorted(int(v) for v in manifest["versions"]))
             manifest["current"] = version
             self._write_manifest(task, manifest)
-        self._bump_generation()
         return self._info(manifest, version)
 
     # --- reads ---------------------------------------------------------------------------------------------
@@ -175,7 +248,10 @@ class DiskRegistry(Registry):
         return [self._info(manifest, int(v)) for v in sorted(manifest["versions"], key=int)]
 
     def tasks(self) -> list[str]:
-        return sorted(p.name for p in (self.root / "tasks").iterdir() if (p / MANIFEST).is_file())
+        # a folder whose name is not a task name (one written before names were checked strictly) is not listed
+        return sorted(
+            p.name for p in (self.root / "tasks").iterdir() if _is_task_name(p.name) and (p / MANIFEST).is_file()
+        )
 
     def snapshot(self) -> dict[str, VersionInfo]:
         out: dict[str, VersionInfo] = {}
@@ -195,6 +271,7 @@ class DiskRegistry(Registry):
     def wait_for_change(self, since: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while True:
+            self._recover()  # a writer that died mid-change: its change is announced here
             gen = self.generation()
             if gen != since or time.monotonic() >= deadline:
                 return gen
