@@ -113,9 +113,9 @@ def strict_json(text: str | bytes, what: str, error: type[Exception]) -> Any:
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
-        raise error(f"{what} is nested too deeply") from None
+        raise error(f"{what}: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, NaN, a 5,000-digit integer...
-        raise error(f"{what} is not valid JSON ({exc})") from None
+        raise error(f"{what}: not valid JSON ({exc})") from None
     problem = _json_problem(value, MAX_JSON_DEPTH)
     if problem is not None:
         raise error(f"{what}: {problem}")

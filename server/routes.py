@@ -22,6 +22,7 @@ from server.schemas import (
     PredictResponse,
     RollbackRequest,
     TaskDetail,
+    TaskName,
     TaskRegistered,
     TaskSummary,
     VersionPublic,
@@ -66,7 +67,7 @@ async def _wait_rows(futures: list[asyncio.Future[Any]], request: Request, timeo
     responses=_ERRORS,
     tags=["predict"],
 )
-async def predict(name: str, body: PredictRequest, request: Request, svc: ServiceDep, _: PredictAuth) -> Any:
+async def predict(name: TaskName, body: PredictRequest, request: Request, svc: ServiceDep, _: PredictAuth) -> Any:
     """Predict with the current version of task ``name``. Inputs of any tasks share batches on the device."""
     s, m = svc.settings, svc.metrics
     t0, status, label = time.perf_counter(), 500, "_unknown"
@@ -145,7 +146,7 @@ async def list_tasks(svc: ServiceDep, _: ReadAuth) -> Any:
 
 
 @router.get("/tasks/{name}", response_model=TaskDetail, responses=_ERRORS, tags=["tasks"])
-async def get_task(name: str, svc: ServiceDep, _: ReadAuth) -> Any:
+async def get_task(name: TaskName, svc: ServiceDep, _: ReadAuth) -> Any:
     """A task's versions, which one is current, and the current patch's metadata."""
 
     def read() -> TaskDetail:
@@ -165,14 +166,14 @@ async def get_task(name: str, svc: ServiceDep, _: ReadAuth) -> Any:
 
 
 @router.delete("/tasks/{name}", responses=_ERRORS, tags=["tasks"])
-async def delete_task(name: str, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
+async def delete_task(name: TaskName, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
     """Delete a task and all its versions. Requests already in flight still complete."""
     await run_in_threadpool(svc.catalog.delete, name)
     return {"name": name, "deleted": True}
 
 
 @router.post("/tasks/{name}/rollback", response_model=TaskSummary, responses=_ERRORS, tags=["tasks"])
-async def rollback(name: str, body: RollbackRequest, svc: ServiceDep, _: AdminAuth) -> Any:
+async def rollback(name: TaskName, body: RollbackRequest, svc: ServiceDep, _: AdminAuth) -> Any:
     """Make an earlier (or later) stored version current."""
     info = await run_in_threadpool(svc.catalog.rollback, name, body.version)
     return TaskSummary(name=name, version=info.version, patch_id=info.patch_id, registered_at=info.registered_at)

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from patches.format import strict_json
 from patches.jobs import Gate, JobError, JobQueue, TrainConfig
 from server.deps import AdminAuth, ReadAuth, ServiceDep
-from server.schemas import ErrorBody
+from server.schemas import ErrorBody, JobId
 from trainer.data import job_splits
 
 router = APIRouter(tags=["jobs"])
@@ -69,13 +69,13 @@ async def list_jobs(
 
 
 @router.get("/jobs/{job_id}", responses=_ERRORS)
-async def get_job(job_id: str, svc: ServiceDep, _: ReadAuth) -> dict[str, Any]:
+async def get_job(job_id: JobId, svc: ServiceDep, _: ReadAuth) -> dict[str, Any]:
     """One job: status (queued, running, succeeded, rejected, failed), progress, result, error."""
     return (await run_in_threadpool(_queue(svc).get, job_id)).to_dict()
 
 
 @router.post("/jobs/{job_id}/cancel", responses=_ERRORS | {409: {"model": ErrorBody}})
-async def cancel_job(job_id: str, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
+async def cancel_job(job_id: JobId, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
     """Cancel a job. A queued job ends as ``cancelled`` at once; a running one is asked to stop, and its worker
     ends it as ``cancelled`` at its next update (within a few seconds): follow it with GET /jobs/{id}. A job that
     already ended is a 409."""

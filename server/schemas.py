@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
+from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
@@ -30,6 +31,16 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+TaskName = Annotated[
+    str,
+    Path(
+        description="A task name: 1-64 letters, digits, '_', '.', '-', starting with a letter or digit.",
+        examples=["sentiment"],
+    ),
+]
+JobId = Annotated[str, Path(description="A job id (32 hex characters), as POST /jobs returned it.")]
 
 
 class PairInput(BaseModel):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -209,3 +213,42 @@ def start_redis(workdir: Path, *options: str, password: str | None = None) -> tu
                 time.sleep(0.05)
     finally:
         client.close()
+
+
+@contextlib.contextmanager
+def patchserve_process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """``patchserve ARGS`` as a real process (its own process group, output to ``log``); stopped on exit with
+    SIGTERM, then SIGKILL if it lingers."""
+    exe = shutil.which("patchserve")
+    assert exe, "patchserve console script not installed"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [exe, *args],
+            env=dict(os.environ, PYTHONUNBUFFERED="1") | env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def wait_ready(base: str, timeout: float = 120.0) -> None:
+    """Until ``base``/readyz answers 200 (a server process has loaded its encoder)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, f"{base} did not become ready"
+        time.sleep(0.1)

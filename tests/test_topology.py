@@ -4,11 +4,8 @@ trainer worker. Runs the README's compose session over HTTP: train job -> regist
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import shutil
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import free_port, synthetic_rows
+from tests.helpers import free_port, patchserve_process, synthetic_rows, wait_ready
 
 TOKEN = "topology-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -46,53 +43,19 @@ def _wait(pred, timeout: float, what: str):
 
 @pytest.fixture
 def topology(redis_url, tiny_bert_dir, tmp_path) -> Iterator[tuple[list[str], str]]:
-    exe = shutil.which("patchserve")
-    assert exe, "patchserve console script not installed"
     url = f"{redis_url}?prefix=topo-{uuid.uuid4().hex[:6]}:"
-    env = dict(
-        os.environ,
-        PATCHSERVE_REGISTRY=url,
-        PATCHSERVE_MODEL=str(tiny_bert_dir),
-        PATCHSERVE_DEVICE="cpu",
-        PYTHONUNBUFFERED="1",
-    )
-    procs, bases = [], []
-    try:
+    env = {"PATCHSERVE_REGISTRY": url, "PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu"}
+    with contextlib.ExitStack() as stack:
+        bases = []
         for i in range(2):
             port = free_port()
-            log = open(tmp_path / f"server{i}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append(
-                subprocess.Popen(
-                    [exe, "serve", "--port", str(port), "--admin-token", TOKEN, "--slots", "4", "--max-wait-ms", "2"],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            args = ["serve", "--port", str(port), "--admin-token", TOKEN, "--slots", "4", "--max-wait-ms", "2"]
+            stack.enter_context(patchserve_process(args, env, tmp_path / f"server{i}.log"))
             bases.append(f"http://127.0.0.1:{port}")
-        log = open(tmp_path / "worker.log", "w")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [exe, "worker", "--name", "topology-worker"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
+        stack.enter_context(patchserve_process(["worker", "--name", "topology-worker"], env, tmp_path / "worker.log"))
         for base in bases:
-            _wait(lambda b=base: httpx.get(f"{b}/readyz", timeout=2).status_code == 200, 120, f"{base} ready")
+            wait_ready(base)
         yield bases, url
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 def _jsonl(rows) -> bytes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import random
 from collections.abc import Mapping
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from patches.errors import PatchServeError
-from patches.format import shown, unprintable
+from patches.format import shown, strict_json, unprintable
 
 KINDS = ("classification", "regression", "token-classification")
 _MAX_REPORTED = 10
@@ -64,15 +63,18 @@ def _rows(where: str, suffix: str, data: bytes) -> list[tuple[int, dict[str, Any
         raise DataError(f"{where}: not UTF-8 text ({exc})") from exc
     if suffix in (".csv", ".tsv"):
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ",")
-        return [(i + 2, dict(row)) for i, row in enumerate(reader)]  # line 1 is the header
+        try:
+            return [(i + 2, dict(row)) for i, row in enumerate(reader)]  # line 1 is the header
+        except csv.Error as exc:  # e.g. a field over csv's size limit
+            raise DataError(f"{where}:{reader.line_num}: not valid {suffix[1:].upper()} ({exc})") from None
     rows, errors = [], []
     for i, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may sit inside a string
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            errors.append(f"{where}:{i}: not valid JSON ({exc.msg})")
+        try:  # strict: NaN, lone surrogates (which no tokenizer takes) and deep nesting are errors of the line
+            obj = strict_json(line, f"{where}:{i}", DataError)
+        except DataError as exc:
+            errors.append(str(exc))
             continue
         if not isinstance(obj, dict):
             errors.append(f"{where}:{i}: expected a JSON object, got {type(obj).__name__}")
@@ -91,14 +93,10 @@ def _raise(errors: list[str]) -> None:
 def _is_number(v: Any) -> bool:
     if isinstance(v, bool):
         return False
-    if isinstance(v, int | float):
-        return math.isfinite(v)
-    if isinstance(v, str):
-        try:
-            return math.isfinite(float(v))
-        except ValueError:
-            return False
-    return False
+    try:
+        return isinstance(v, int | float | str) and math.isfinite(float(v))
+    except (ValueError, OverflowError):  # not a number, or an integer beyond a float
+        return False
 
 
 def infer_kind(rows: list[tuple[int, dict[str, Any]]]) -> str:
