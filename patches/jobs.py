@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import redis
 from pydantic import ConfigDict, Field, ValidationError
@@ -36,6 +36,7 @@ JOB_FILES = ("train", "dev", "test")
 STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 FINISHED_TTL_S = 7 * 24 * 3600
+_T = TypeVar("_T")
 JOB_ID_RE = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else names no job (and no Redis key)
 
 
@@ -138,19 +139,9 @@ class TrainConfig:
         return min(total, self.max_steps) if self.max_steps else total
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
-        """A config from JSON (a job, the API): unknown fields, wrong types and out-of-range values are a
-        :class:`JobError` naming each field."""
-        if not isinstance(raw, dict):
-            raise JobError("training config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in set(raw) - known)
-        if unknown:
-            raise JobError(f"training config has unknown fields {shown(unknown)}; known fields: {sorted(known)}")
-        try:
-            return cls(**raw)
-        except ValidationError as exc:
-            raise JobError(f"training config: {describe_validation_errors(exc.errors())}") from None
+    def from_dict(cls, raw: Any) -> TrainConfig:
+        """A config from JSON (a job, the API); see ``_from_json``."""
+        return _from_json(cls, raw, "training config")
 
 
 @pydantic_dataclass(config=_STRICT)
@@ -162,14 +153,23 @@ class Gate:
 
     @classmethod
     def from_dict(cls, raw: Any) -> Gate:
-        if raw is None:
-            return cls()
-        if not isinstance(raw, dict) or set(raw) - {"min_dev", "not_worse"}:
-            raise JobError('gate must be an object with "min_dev" (a number) and/or "not_worse" (true/false)')
-        try:
-            return cls(**raw)
-        except ValidationError as exc:
-            raise JobError(f"gate: {describe_validation_errors(exc.errors())}") from None
+        """A gate from JSON (None: no gate); see ``_from_json``."""
+        return cls() if raw is None else _from_json(cls, raw, "gate")
+
+
+def _from_json(cls: type[_T], raw: Any, what: str) -> _T:
+    """``cls(**raw)`` for JSON a client sent: anything but an object, unknown fields, wrong types and out-of-range
+    values are a :class:`JobError` naming each field (``what``: "training config", "gate")."""
+    if not isinstance(raw, dict):
+        raise JobError(f"{what} must be a JSON object")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(str(k) for k in set(raw) - known)
+    if unknown:
+        raise JobError(f"{what} has unknown fields {shown(unknown)}; known fields: {sorted(known)}")
+    try:
+        return cls(**raw)
+    except ValidationError as exc:
+        raise JobError(f"{what}: {describe_validation_errors(exc.errors())}") from None
 
 
 @dataclass(frozen=True)

@@ -318,7 +318,8 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
         ({"task": "sent\n"}, "invalid task name 'sent\\n'"),
         ({"device": "cuda:0\n"}, "device: String should match pattern"),
         ({"gate": {"min_dev": "0.8"}}, "gate: min_dev: Input should be a valid number"),
-        ({"gate": {"min_dev": 0.8, "minimum": 1}}, "gate must be an object"),
+        ({"gate": {"min_dev": 0.8, "minimum": 1}}, "gate has unknown fields ['minimum']"),
+        ({"gate": [0.8]}, "gate must be a JSON object"),
     ],
 )
 def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):
