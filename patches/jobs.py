@@ -25,6 +25,7 @@ import redis
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from patches.api import TERMINAL
 from patches.bitfit import BIAS_SUBSETS
 from patches.errors import InvalidTaskNameError, PatchServeError, describe_validation_errors
 from patches.format import KINDS, POOLINGS, shown, unprintable, validate_task_name
@@ -33,8 +34,6 @@ from patches.store.redis import call_redis, parse_redis_url, run_transaction
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
 
 JOB_FILES = ("train", "dev", "test")
-STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
-TERMINAL = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 FINISHED_TTL_S = 7 * 24 * 3600
 _T = TypeVar("_T")
 JOB_ID_RE = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else names no job (and no Redis key)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,10 +31,13 @@ from patches.jobs import JobError, JobNotFoundError, JobQueue, JobStateError
 from patches.store import Registry, open_registry
 from server.catalog import Catalog
 from server.deps import Service
+from server.embeddings import router as embeddings_router
 from server.engine.batcher import Batcher, OverloadedError
 from server.engine.runner import Runner
 from server.engine.slots import PatchCache
-from server.metrics import Metrics
+from server.inference import ClientGoneError
+from server.metrics import Metrics, RequestMetrics
+from server.oip import router as oip_router
 from server.predict import InputError
 from server.routes import router
 from server.routes_jobs import router as jobs_router
@@ -45,34 +47,46 @@ from trainer.data import DataError
 log = logging.getLogger("patchserve")
 
 
+INFERENCE_SUFFIXES = ("/predict", "/infer", "/embed", "/embeddings")  # routes whose bodies are parsed on the loop
+_OPENAI_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+
+
+def error_response(path: str, status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """Every error is ``{"detail": "..."}``; routes of a protocol also get that protocol's error field, so its own
+    clients show the message: ``"error"`` for the Open Inference Protocol (/v2), ``{"error": {"message", "type",
+    "code"}}`` for the OpenAI-compatible routes (/v1)."""
+    body: dict[str, Any] = {"detail": detail}
+    if path.startswith("/v2"):
+        body["error"] = detail
+    elif path.startswith("/v1/"):
+        kind = _OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        body["error"] = {"message": detail, "type": kind, "code": status}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def body_too_large(limit: int, path: str) -> JSONResponse:
-    setting = "MAX_PREDICT_BODY_BYTES" if path.endswith("/predict") else "MAX_BODY_BYTES"
-    detail = f"request body is over this route's limit of {limit} bytes (PATCHSERVE_{setting})"
-    return JSONResponse({"detail": detail}, status_code=413)
+    setting = "MAX_PREDICT_BODY_BYTES" if path.endswith(INFERENCE_SUFFIXES) else "MAX_BODY_BYTES"
+    return error_response(path, 413, f"request body is over this route's limit of {limit} bytes (PATCHSERVE_{setting})")
 
 
 class BodyLimits:
     """Request body limits. A Content-Length over the limit is answered at once, unread; a body without one
     (chunked) is counted as it is read (Starlette's ``RequestBodyLimitMiddleware``), so it is bounded too. Predict
-    bodies get their own, smaller limit: they are parsed on the event loop, and this bounds how long one can hold
-    up every other request."""
+    bodies (predict, infer, embed) get their own, smaller limit: they are parsed on the event loop, and this bounds
+    how long one can hold up every other request."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_predict_bytes: int) -> None:
         self.limits = {False: max_bytes, True: max_predict_bytes}
         self.counted = {p: RequestBodyLimitMiddleware(app, max_body_size=n) for p, n in self.limits.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        predict = scope["type"] == "http" and scope["path"].endswith("/predict")
+        predict = scope["type"] == "http" and scope["path"].endswith(INFERENCE_SUFFIXES)
         if scope["type"] == "http":
             length = dict(scope["headers"]).get(b"content-length", b"")
             if length.isdigit() and int(length) > self.limits[predict]:
                 await body_too_large(self.limits[predict], scope["path"])(scope, receive, send)
                 return
         await self.counted[predict](scope, receive, send)
-
-
-def _error(status: int, exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -90,28 +104,32 @@ def _install_error_handlers(app: FastAPI) -> None:
     ]
     for exc_type, status in table:
 
-        def handler(_: Request, exc: Exception, status: int = status) -> JSONResponse:
-            return _error(status, exc)
+        def handler(request: Request, exc: Exception, status: int = status) -> JSONResponse:
+            return error_response(request.url.path, status, str(exc))
 
         app.add_exception_handler(exc_type, handler)
 
-    def overloaded(_: Request, exc: Exception) -> JSONResponse:
-        return _error(503, exc, {"Retry-After": "1"})
+    def overloaded(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request.url.path, 503, str(exc), {"Retry-After": "1"})
 
-    def invalid_request(_: Request, exc: Exception) -> JSONResponse:
-        # one shape for every error, {"detail": "..."}; FastAPI's default list echoes the input, which fails to
-        # render (a 500) when it holds NaN or a lone surrogate
+    def client_gone(_: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody receives it, metrics count it
+
+    def invalid_request(request: Request, exc: Exception) -> JSONResponse:
+        # one shape for every error; FastAPI's default list echoes the input, which fails to render (a 500) when
+        # it holds NaN or a lone surrogate
         assert isinstance(exc, RequestValidationError)
-        return JSONResponse({"detail": describe_validation_errors(exc.errors())}, status_code=422)
+        return error_response(request.url.path, 422, describe_validation_errors(exc.errors()))
 
-    async def http_error(request: Request, exc: Exception) -> Response:
+    def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         limit = request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)
         if exc.status_code == 413 and limit is not None:  # a chunked body ran over while BodyLimits counted it
             return body_too_large(limit, request.url.path)
-        return await http_exception_handler(request, exc)
+        return error_response(request.url.path, exc.status_code, str(exc.detail), exc.headers)
 
     app.add_exception_handler(OverloadedError, overloaded)
+    app.add_exception_handler(ClientGoneError, client_gone)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
 
@@ -190,7 +208,10 @@ def create_app(
     app.state.service = None
     app.include_router(router)
     app.include_router(jobs_router)
+    app.include_router(oip_router)
+    app.include_router(embeddings_router)
     _install_error_handlers(app)
+    app.add_middleware(RequestMetrics)
     app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes, max_predict_bytes=settings.max_predict_body_bytes)
     return app
 

@@ -80,9 +80,9 @@ class Catalog:
                 backoff = min(backoff * 2, 10.0)
 
     # --- reads ---------------------------------------------------------------------------------------------
-    def resolve(self, task: str) -> tuple[VersionInfo, Patch]:
-        """The current version of ``task`` and its patch (blocking: call from a worker thread)."""
-        info = self.current.get(task)
+    def resolve(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
+        """The current (or the given) version of ``task`` and its patch (blocking: call from a worker thread)."""
+        info = self.current.get(task) if version is None else self.registry.info(task, version)
         if info is None:
             info = self.registry.info(task)  # TaskNotFoundError -> 404
             self.current.setdefault(task, info)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import time
 
-from patches.jobs import STATUSES
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from patches.api import JOB_STATUSES
 from server.engine.batcher import BatchStats
 from server.engine.slots import SlotStats
 
@@ -17,11 +20,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "patchserve_requests", "Predict requests by task and HTTP status.", ["task", "status"], registry=r
+            "patchserve_requests",
+            "Inference requests (predict, infer, embed) by task and HTTP status.",
+            ["task", "status"],
+            registry=r,
         )
         self.latency = Histogram(
             "patchserve_request_latency_seconds",
-            "Predict latency by task.",
+            "Inference latency by task (successful requests).",
             ["task"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -58,7 +64,7 @@ class Metrics:
         self.batch_seconds.observe(stats.seconds)
 
     def set_jobs(self, statuses: list[str]) -> None:
-        for status in STATUSES:
+        for status in JOB_STATUSES:
             self.jobs.labels(status=status).set(statuses.count(status))
 
     def sync_slots(self, stats: SlotStats) -> None:
@@ -68,3 +74,35 @@ class Metrics:
             if delta > 0:
                 self.slot_events.labels(event=event).inc(delta)
                 setattr(self._slots_seen, field, getattr(stats, field))
+
+
+class RequestMetrics:
+    """ASGI middleware: counts every request of the inference routes by task and the status it was answered with,
+    and times the successful ones. A route opts in with ``server.inference.Counted`` and names its task once it
+    resolved (``request.state.task``); the status is whatever went out, whichever handler produced it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, t0 = 500, time.perf_counter()
+        state = scope.setdefault("state", {})  # request.state: shared even where a layer copies the scope
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            task = state.get("task")
+            svc = getattr(scope["app"].state, "service", None)
+            if task is not None and svc is not None:
+                svc.metrics.requests.labels(task=task, status=str(status)).inc()
+                if status == 200:
+                    svc.metrics.latency.labels(task=task).observe(time.perf_counter() - t0)

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from patches.api import LabelScore, PairInput, Prediction, TokenPrediction
 from patches.format import Patch
 from server.engine.runner import Row
-from server.schemas import LabelScore, PairInput, Prediction, TokenPrediction
 
 
 class InputError(ValueError):
@@ -42,7 +42,7 @@ def normalise_inputs(inputs: str | list[str] | list[PairInput]) -> tuple[list[st
     return [p.text for p in pairs], [str(p.text_pair) for p in pairs]
 
 
-def check_request(patch: Patch, pairs: list[str] | None, top_k: int | None, all_scores: bool) -> None:
+def check_request(patch: Patch, pairs: list[str] | None, top_k: int | None = None, all_scores: bool = False) -> None:
     """Refuse what this task cannot do instead of silently doing something else (422)."""
     meta = patch.meta
     if pairs is not None and (meta.kind == "token-classification" or meta.text_pair is False):
@@ -59,15 +59,22 @@ def check_request(patch: Patch, pairs: list[str] | None, top_k: int | None, all_
 
 
 def encode(
-    tokenizer: Any, patch: Patch, texts: list[str], pairs: list[str] | None, max_len: int, max_chars: int
+    tokenizer: Any,
+    patch: Patch | None,
+    texts: list[str],
+    pairs: list[str] | None,
+    max_len: int,
+    max_chars: int,
+    output: str = "logits",
 ) -> list[Encoded]:
-    """Tokenise for ``patch``'s kind, with bounded work: texts are cut to ``max_chars`` characters first, then
-    truncated to ``max_len`` tokens while tokenising; a row that lost anything is flagged ``truncated``.
-    CPU-bound: call it from a worker thread."""
+    """Rows for ``patch`` (None: the base encoder) and ``output`` (``logits`` or ``embedding``), with bounded work:
+    texts are cut to ``max_chars`` characters first, then truncated to ``max_len`` tokens while tokenising; a row
+    that lost anything is flagged ``truncated``. A tagging task's logits are per word. CPU-bound: call it from a
+    worker thread."""
     cut = [len(t) > max_chars or (pairs is not None and len(pairs[i]) > max_chars) for i, t in enumerate(texts)]
     texts = [t[:max_chars] for t in texts]
     pairs = None if pairs is None else [p[:max_chars] for p in pairs]
-    if patch.meta.kind == "token-classification":
+    if output == "logits" and patch is not None and patch.meta.kind == "token-classification":
         return [
             _encode_words(tokenizer, patch, text, max_len, was_cut) for text, was_cut in zip(texts, cut, strict=True)
         ]
@@ -80,7 +87,7 @@ def encode(
     out = []
     for i, ids in enumerate(enc["input_ids"]):
         types = enc["token_type_ids"][i] if "token_type_ids" in enc else [0] * len(ids)
-        out.append(Encoded(Row(list(ids), list(types), patch), truncated=cut[i] or lost[i]))
+        out.append(Encoded(Row(list(ids), list(types), patch, output), truncated=cut[i] or lost[i]))
     return out
 
 
@@ -103,6 +110,7 @@ def _encode_words(tokenizer: Any, patch: Patch, text: str, max_len: int, was_cut
 
 def decode(out: torch.Tensor, enc: Encoded, top_k: int | None, all_scores: bool) -> Prediction:
     """A runner output (logits) -> the prediction for its kind."""
+    assert enc.row.patch is not None, "predictions come from task rows"
     meta = enc.row.patch.meta
     if meta.kind == "regression":
         return Prediction(value=float(out[0]), truncated=enc.truncated)

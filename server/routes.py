@@ -2,62 +2,36 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from fastapi import APIRouter, File, HTTPException, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from patches.cli import patch_summary
-from patches.errors import PatchError, PatchServeError, PatchTooLargeError, TaskNotFoundError
-from patches.format import Patch
-from server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
-from server.predict import InputError, check_request, decode, encode, normalise_inputs
-from server.schemas import (
+from patches.api import (
     BaseInfo,
     ErrorBody,
     PredictRequest,
     PredictResponse,
     RollbackRequest,
+    TaskDeleted,
     TaskDetail,
-    TaskName,
     TaskRegistered,
     TaskSummary,
     VersionPublic,
 )
+from patches.cli import patch_summary
+from patches.errors import PatchError, PatchServeError, PatchTooLargeError
+from patches.format import Patch
+from server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
+from server.inference import Counted, name_task, run_rows
+from server.params import TaskName
+from server.predict import check_request, decode, normalise_inputs
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 413, 422, 503, 504)
 }
-
-
-class ClientGoneError(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-async def _wait_rows(futures: list[asyncio.Future[Any]], request: Request, timeout: float) -> list[Any]:
-    """Wait for every row; give up on timeout (504) or when the client hangs up (its rows are dropped)."""
-    gathered = asyncio.gather(*futures)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    try:
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise HTTPException(
-                    504, f"prediction took longer than {timeout:g}s; retry, or raise PATCHSERVE_REQUEST_TIMEOUT_S"
-                )
-            done, _ = await asyncio.wait({gathered}, timeout=min(0.25, remaining))
-            if done:
-                return list(gathered.result())
-            if await request.is_disconnected():
-                raise ClientGoneError
-    finally:
-        if not gathered.done():
-            gathered.cancel()  # cancels the rows' futures: the batcher drops them before the device
 
 
 @router.post(
@@ -67,44 +41,17 @@ async def _wait_rows(futures: list[asyncio.Future[Any]], request: Request, timeo
     responses=_ERRORS,
     tags=["predict"],
 )
-async def predict(name: TaskName, body: PredictRequest, request: Request, svc: ServiceDep, _: PredictAuth) -> Any:
+async def predict(
+    name: TaskName, body: PredictRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
+) -> Any:
     """Predict with the current version of task ``name``. Inputs of any tasks share batches on the device."""
-    s, m = svc.settings, svc.metrics
-    t0, status, label = time.perf_counter(), 500, "_unknown"
-    try:
-        texts, pairs = normalise_inputs(body.inputs)
-        if len(texts) > s.max_inputs_per_request:
-            raise InputError(
-                f"{len(texts)} inputs in one request; the limit is {s.max_inputs_per_request} "
-                "(PATCHSERVE_MAX_INPUTS_PER_REQUEST) -- split the request"
-            )
-        info, patch = await run_in_threadpool(svc.catalog.resolve, name)
-        label = name
-        check_request(patch, pairs, body.top_k, body.all_scores)
-        max_len = min(patch.meta.max_seq_length, s.max_seq_length, svc.encoder.max_positions)
-        encoded = await run_in_threadpool(
-            encode, svc.encoder.tokenizer, patch, texts, pairs, max_len, s.max_input_chars
-        )
-        outputs = await _wait_rows(svc.batcher.submit([e.row for e in encoded]), request, s.request_timeout_s)
-        preds = [decode(o, e, body.top_k, body.all_scores) for o, e in zip(outputs, encoded, strict=True)]
-        status = 200
-        return PredictResponse(task=name, version=info.version, patch_id=info.patch_id, predictions=preds)
-    except ClientGoneError:
-        status = 499
-        return Response(status_code=499)
-    except HTTPException as exc:
-        status = exc.status_code
-        raise
-    except InputError:
-        status = 422
-        raise
-    except TaskNotFoundError:
-        status = 404
-        raise
-    finally:
-        m.requests.labels(task=label, status=str(status)).inc()
-        if status == 200:
-            m.latency.labels(task=label).observe(time.perf_counter() - t0)
+    texts, pairs = normalise_inputs(body.inputs)
+    info, patch = await run_in_threadpool(svc.catalog.resolve, name)
+    name_task(request, name)
+    check_request(patch, pairs, body.top_k, body.all_scores)
+    encoded, outputs = await run_rows(svc, request, patch, texts, pairs)
+    preds = [decode(o, e, body.top_k, body.all_scores) for o, e in zip(outputs, encoded, strict=True)]
+    return PredictResponse(task=name, version=info.version, patch_id=info.patch_id, predictions=preds)
 
 
 @router.post("/tasks", status_code=201, response_model=TaskRegistered, responses=_ERRORS, tags=["tasks"])
@@ -165,11 +112,11 @@ async def get_task(name: TaskName, svc: ServiceDep, _: ReadAuth) -> Any:
     return await run_in_threadpool(read)
 
 
-@router.delete("/tasks/{name}", responses=_ERRORS, tags=["tasks"])
-async def delete_task(name: TaskName, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
+@router.delete("/tasks/{name}", response_model=TaskDeleted, responses=_ERRORS, tags=["tasks"])
+async def delete_task(name: TaskName, svc: ServiceDep, _: AdminAuth) -> Any:
     """Delete a task and all its versions. Requests already in flight still complete."""
     await run_in_threadpool(svc.catalog.delete, name)
-    return {"name": name, "deleted": True}
+    return TaskDeleted(name=name)
 
 
 @router.post("/tasks/{name}/rollback", response_model=TaskSummary, responses=_ERRORS, tags=["tasks"])

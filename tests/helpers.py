@@ -252,3 +252,14 @@ def wait_ready(base: str, timeout: float = 120.0) -> None:
                 return
         assert time.monotonic() < deadline, f"{base} did not become ready"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def served(folder: Path, env: dict[str, str], *args: str) -> Iterator[str]:
+    """A real ``patchserve serve`` process on a free port with ``env`` and extra ``args``, ready; yields its URL.
+    Its output goes to ``folder``/server-PORT.log."""
+    port = free_port()
+    with patchserve_process(["serve", "--port", str(port), *args], env, folder / f"server-{port}.log"):
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base)
+        yield base

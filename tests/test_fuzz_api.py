@@ -9,7 +9,7 @@ import uuid
 
 import httpx
 
-from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
+from tests.helpers import make_patch, served
 
 TOKEN = "fuzz-admin"
 
@@ -18,12 +18,8 @@ def test_schemathesis_finds_no_server_error(redis_url, tiny_bert_dir, tiny_encod
     exe = shutil.which("schemathesis")
     assert exe, "schemathesis is not installed: pip install -e '.[test]'"
     registry = f"{redis_url}?prefix=fuzz-{uuid.uuid4().hex[:6]}:"  # Redis, so the job routes have a queue too
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     env = {"PATCHSERVE_REGISTRY": registry, "PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu"}
-    args = ["serve", "--port", str(port), "--admin-token", TOKEN, "--slots", "4", "--max-wait-ms", "1"]
-    with patchserve_process(args, env, tmp_path / "server.log"):
-        wait_ready(base)
+    with served(tmp_path, env, "--admin-token", TOKEN, "--slots", "4", "--max-wait-ms", "1") as base:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         patch = make_patch(tiny_encoder, "sentiment")  # the task the schema's examples name
         r = httpx.post(f"{base}/tasks", files={"patch": ("p.safetensors", patch.data)}, headers=auth, timeout=30)
@@ -50,6 +46,6 @@ def test_schemathesis_finds_no_server_error(redis_url, tiny_bert_dir, tiny_encod
             text=True,
             timeout=600,
         )
-        log = (tmp_path / "server.log").read_text()
+        log = "".join(p.read_text() for p in tmp_path.glob("server-*.log"))
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:] + log[-3000:]
     assert "Traceback" not in log, log[-3000:]

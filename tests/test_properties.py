@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from patches.api import PredictRequest
 from patches.errors import PatchError
 from patches.format import METADATA_KEY, Patch, PatchMeta
 from patches.jobs import Gate, JobError, TrainConfig
 from server.predict import InputError, normalise_inputs
-from server.schemas import PredictRequest
 from tests.helpers import make_patch
 from trainer.data import DataError, DataFile, job_splits, parse_dataset
 

@@ -100,7 +100,7 @@ class Batcher:
     # --- the actor ---------------------------------------------------------------------------------------------
     def _fits(self, batch: list[_Item], patches: set[str], item: _Item) -> bool:
         longest = max(len(item.row.input_ids), *(len(i.row.input_ids) for i in batch))
-        new_patch = item.row.patch.patch_id not in patches
+        new_patch = item.row.patch is not None and item.row.key not in patches  # base rows take no slot
         return (
             len(batch) < self.max_rows
             and longest * (len(batch) + 1) <= self.max_tokens
@@ -116,13 +116,13 @@ class Batcher:
             return []
         anchor = window[0]
         size = len(anchor.row.input_ids)
-        batch, patches = [anchor], {anchor.row.patch.patch_id}
+        batch, patches = [anchor], {anchor.row.key}
         for item in sorted(window[1:], key=lambda i: abs(len(i.row.input_ids) - size)):
             if len(batch) >= self.max_rows:
                 break
             if self._fits(batch, patches, item):
                 batch.append(item)
-                patches.add(item.row.patch.patch_id)
+                patches.add(item.row.key)
         chosen = {id(i) for i in batch}
         self._queue = deque(i for i in self._queue if id(i) not in chosen and not i.future.done())
         return batch
@@ -165,7 +165,7 @@ class Batcher:
                 self.on_batch(
                     BatchStats(
                         rows=len(rows),
-                        tasks=len({r.patch.patch_id for r in rows}),
+                        tasks=len({r.key for r in rows}),
                         tokens=len(rows) * max(len(r.input_ids) for r in rows),
                         seconds=time.perf_counter() - t0,
                     )

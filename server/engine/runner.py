@@ -2,7 +2,9 @@
 
 It owns the slotted encoder, the slot manager and each slot's head. ``run(rows)`` takes already-tokenised rows of
 any mix of tasks and returns one float32 CPU tensor per row: logits ``[n_out]`` (or ``[n_tokens, n_out]`` for
-tagging). Call it from one thread only (the batcher's worker thread).
+tagging), or, for a row that asks for an embedding, its pooled vector ``[hidden]`` under its task's patch. A row
+without a patch runs on the base encoder: one extra bank row that always holds the base biases, never handed out
+as a task slot. Call it from one thread only (the batcher's worker thread).
 """
 
 from __future__ import annotations
@@ -25,13 +27,25 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+BASE_KEY = "base"  # the key of rows without a patch (the base encoder); patch ids are "sha256:..."
+OUTPUTS = ("logits", "embedding")
+
+
 @dataclass
 class Row:
-    """One tokenised input for one task. ``patch`` is resolved when the request arrives (hot swap semantics)."""
+    """One tokenised input for one task (``patch``, resolved when the request arrives: hot swap semantics), or for
+    the base encoder (``patch`` None, embeddings only). ``output``: the head's ``logits`` or the pooled
+    ``embedding``."""
 
     input_ids: list[int]
     token_type_ids: list[int]
-    patch: Patch
+    patch: Patch | None
+    output: str = "logits"
+
+    @property
+    def key(self) -> str:
+        """Which biases the row runs with: its patch id, or BASE_KEY."""
+        return BASE_KEY if self.patch is None else self.patch.patch_id
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -66,9 +80,11 @@ class Runner:
         self.encoder = encoder
         n_slots = slots or default_slot_count(encoder, self.device, self.dtype)
         model = encoder.model.to(self.device, self.dtype).eval()
-        self.index, self.sites = install_slots(
-            model, n_slots, drop_key_bias=drop_key_bias, fold_value_bias=fold_value_bias
+        self.index, self.sites = install_slots(  # bank row n_slots keeps the base biases for base-encoder rows
+            model, n_slots + 1, drop_key_bias=drop_key_bias, fold_value_bias=fold_value_bias
         )
+        self.base_slot = n_slots
+        self.base_pooling = encoder.default_pooling
         self.model = model
         self.slots = SlotManager(n_slots)
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -88,7 +104,7 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        patches = {r.patch.patch_id: r.patch for r in rows}
+        patches = {r.patch.patch_id: r.patch for r in rows if r.patch is not None}
         slot_of, to_load = self.slots.acquire(list(patches))
         try:
             for pid, slot in to_load:
@@ -97,7 +113,7 @@ class Runner:
                 except BaseException:
                     self.slots.forget(pid)
                     raise
-            return self._forward(rows, slot_of)
+            return self._forward(rows, slot_of | {BASE_KEY: self.base_slot})
         finally:
             self.slots.release(list(patches))
 
@@ -112,33 +128,36 @@ class Runner:
             types[i, :k] = torch.tensor(r.token_type_ids)
             mask[i, :k] = 1
         ids, types, mask = ids.to(self.device), types.to(self.device), mask.to(self.device)
-        slots = [slot_of[r.patch.patch_id] for r in rows]
+        slots = [slot_of[r.key] for r in rows]
         self.index.rows = torch.tensor(slots, dtype=torch.long, device=self.device)  # [B]
         kwargs = {"token_type_ids": types} if self.uses_token_types else {}
         out = self.model(input_ids=ids, attention_mask=mask, **kwargs)
         hidden = out.last_hidden_state  # [B, T, H]
         pooler = getattr(out, "pooler_output", None)  # [B, H] or None
         results: list[torch.Tensor | None] = [None] * n
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(slots):
-            groups.setdefault(s, []).append(i)
-        for slot, members in groups.items():
-            meta = rows[members[0]].patch.meta
-            w, b = self.heads[slot]
+        groups: dict[tuple[int, str], list[int]] = {}  # rows of one slot and one output share the work
+        for i, (s, r) in enumerate(zip(slots, rows, strict=True)):
+            groups.setdefault((s, r.output), []).append(i)
+        for (slot, output), members in groups.items():
+            patch = rows[members[0]].patch
             sel = torch.tensor(members, device=self.device)
-            if meta.kind == "token-classification":
+            if output == "logits" and patch is not None and patch.meta.kind == "token-classification":
+                w, b = self.heads[slot]
                 logits = torch.nn.functional.linear(hidden.index_select(0, sel), w, b)  # [n, T, C]
                 for j, i in enumerate(members):
                     results[i] = logits[j, : len(rows[i].input_ids)].float().cpu()
-            else:
-                pooled = pool(
-                    meta.pooling,
-                    hidden.index_select(0, sel),
-                    mask.index_select(0, sel),
-                    None if pooler is None else pooler.index_select(0, sel),
-                )  # [n, H]
-                logits = torch.nn.functional.linear(pooled, w, b).float().cpu()  # [n, C]
-                for j, i in enumerate(members):
-                    results[i] = logits[j]
+                continue
+            pooled = pool(
+                self.base_pooling if patch is None else patch.meta.pooling,
+                hidden.index_select(0, sel),
+                mask.index_select(0, sel),
+                None if pooler is None else pooler.index_select(0, sel),
+            )  # [n, H]
+            if output == "logits":
+                w, b = self.heads[slot]
+                pooled = torch.nn.functional.linear(pooled, w, b)  # [n, C]
+            values = pooled.float().cpu()
+            for j, i in enumerate(members):
+                results[i] = values[j]
         self.index.rows = None
         return [r for r in results if r is not None]

@@ -1,14 +1,17 @@
-"""Request and response bodies of the HTTP API (what OpenAPI documents)."""
+"""Request and response bodies of the HTTP API, defined once: the server validates and documents them (OpenAPI),
+the Python client (``patchserve.client``) sends and parses them."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any
 
-from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
+
+JOB_STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 
 # Request bodies are read strictly: a bool is not a number, a number is not a text, and a field this API does not
 # know is an error rather than silently ignored (a misspelt "topk" would otherwise change nothing without a word).
@@ -31,16 +34,6 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-TaskName = Annotated[
-    str,
-    Path(
-        description="A task name: 1-64 letters, digits, '_', '.', '-', starting with a letter or digit.",
-        examples=["sentiment"],
-    ),
-]
-JobId = Annotated[str, Path(description="A job id (32 hex characters), as POST /jobs returned it.")]
 
 
 class PairInput(BaseModel):
@@ -147,6 +140,61 @@ class TaskDetail(BaseModel):
     current: int
     versions: list[VersionPublic]
     metadata: dict[str, Any] = Field(description="The current version's patch metadata (as `patchserve inspect`).")
+
+
+class TaskDeleted(BaseModel):
+    name: str
+    deleted: bool = True
+
+
+class EmbedRequest(BaseModel):
+    model_config = REQUEST
+
+    inputs: Annotated[Text | list[Text] | list[PairInput], WrapValidator(_one_input_shape)] = Field(
+        description='One text, a list of texts, or a list of {"text", "text_pair"} objects (as for predict).',
+        examples=["a gripping, beautifully acted film"],
+    )
+    normalize: bool = Field(False, description="Scale each vector to unit length (cosine similarity = dot product).")
+
+
+class EmbedResponse(BaseModel):
+    task: str | None = Field(description="The task whose patch shaped the vectors; null for the base encoder.")
+    version: int | None = Field(description="The task's version; null for the base encoder.")
+    patch_id: str | None
+    model: str = Field(description="The base encoder's name.")
+    pooling: str = Field(description="How token states became one vector: mean, cls or pooler.")
+    dimensions: int
+    embeddings: list[list[float]] = Field(description="One vector per input, in order.")
+    truncated: list[bool] = Field(description="Per input: true when it was cut to the maximum length.")
+
+
+class JobPublic(BaseModel):
+    """A training job as the queue holds it."""
+
+    id: str
+    task: str
+    status: str = Field(description="queued, running, succeeded, rejected, failed or cancelled.")
+    config: dict[str, Any] = Field(description="The training config (every field, defaults filled in).")
+    gate: dict[str, Any] = Field(description='When the patch is registered: {"min_dev", "not_worse"}.')
+    files: dict[str, str] = Field(description="Data file role (train, dev, test) -> the uploaded file's name.")
+    created_at: float = Field(description="Unix time of submission.")
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    attempts: int = 0
+    progress: dict[str, Any] = Field(
+        default_factory=dict, description="While training: step, total_steps, loss, dev metrics, seed, lr."
+    )
+    result: dict[str, Any] = Field(
+        default_factory=dict, description="When done: dev/test metrics, steps, seconds; version and patch_id."
+    )
+    error: str | None = Field(None, description="Why it was rejected, failed or cancelled.")
+    cancel_requested: float | None = Field(None, description="Unix time a cancel was asked for, if it was.")
+
+    @property
+    def done(self) -> bool:
+        """The job has ended (succeeded, rejected, failed or cancelled)."""
+        return self.status in TERMINAL
 
 
 class RollbackRequest(BaseModel):

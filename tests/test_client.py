@@ -1,0 +1,149 @@
+"""patchserve.client (Client and AsyncClient) and the client CLI commands against real `patchserve serve` and
+`patchserve worker` processes sharing a real redis-server: every call, typed results, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from patches.api import PairInput
+from patches.cli import main
+from patchserve.client import (
+    AsyncClient,
+    Client,
+    Conflict,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+)
+from tests.helpers import make_patch, patchserve_process, served, synthetic_rows
+
+ADMIN, PREDICT = "client-admin", "client-predict"
+JOB = {"task": "sent", "min_steps": 300, "epochs": 1, "eval_every": 50, "lr": 1e-2, "pooling": "mean", "patience": 100}
+
+
+@pytest.fixture(scope="module")
+def server(redis_url, tiny_bert_dir, tmp_path_factory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("client")
+    env = {
+        "PATCHSERVE_REGISTRY": f"{redis_url}?prefix=client-{uuid.uuid4().hex[:6]}:",
+        "PATCHSERVE_MODEL": str(tiny_bert_dir),
+        "PATCHSERVE_DEVICE": "cpu",
+    }
+    with (
+        served(tmp, env, "--admin-token", ADMIN, "--predict-token", PREDICT, "--slots", "4") as base,
+        patchserve_process(["worker", "--name", "client-worker"], env, tmp / "worker.log"),
+    ):
+        yield base
+
+
+def _rows(n: int, seed: int) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in synthetic_rows("classification", n, seed)).encode()
+
+
+def test_tasks_predict_and_every_input_shape(server, tiny_encoder, tmp_path):
+    a, b = make_patch(tiny_encoder, "sentiment", seed=1), make_patch(tiny_encoder, "sentiment", seed=2)
+    pairs = make_patch(tiny_encoder, "sts", kind="regression", seed=3)
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(a.data)
+    with Client(server, token=ADMIN) as ps:
+        assert ps.healthy() and ps.ready()["fingerprint"] == tiny_encoder.fingerprint
+        first = ps.register(path)  # a file
+        assert (first.name, first.version, first.patch_id) == ("sentiment", 1, a.patch_id)
+        assert ps.register(b.data).version == 2  # bytes
+        assert ps.register(pairs).kind == "regression"  # a Patch
+        assert {t.name: t.version for t in ps.tasks()} == {"sentiment": 2, "sts": 1}
+        detail = ps.task("sentiment")
+        assert detail.current == 2 and detail.metadata["labels"] == ["negative", "positive"]
+        assert [v.version for v in ps.versions("sentiment")] == [1, 2]
+    with Client(server, token=PREDICT) as ps:
+        one = ps.predict("sentiment", "the good movie", top_k=2, all_scores=True)
+        assert one.version == 2 and len(one.predictions) == 1 and len(one.predictions[0].top_k or []) == 2
+        many = ps.predict("sentiment", ["the good movie", "a bad film"])
+        assert [p.label for p in many.predictions] == [
+            p.label for p in ps.predict("sentiment", [{"text": "the good movie"}, {"text": "a bad film"}]).predictions
+        ]
+        for shape in ([("a cat runs", "a dog runs")], [PairInput(text="a cat runs", text_pair="a dog runs")]):
+            assert ps.predict("sts", shape).predictions[0].value is not None
+        vectors = ps.embed(["the good movie"], task="sentiment", normalize=True)
+        assert vectors.dimensions == tiny_encoder.hidden_size and ps.embed("x").task is None
+    with Client(server, token=ADMIN) as ps:
+        assert ps.rollback("sentiment", 1).version == 1
+        assert ps.predict("sentiment", "x").patch_id == a.patch_id
+        assert ps.delete("sts").deleted and [t.name for t in ps.tasks()] == ["sentiment"]
+
+
+def test_errors_are_typed_and_carry_the_servers_message(server):
+    with Client(server) as anonymous, Client(server, token="wrong") as stranger, Client(server, token=ADMIN) as ps:
+        with pytest.raises(Unauthorized) as exc:
+            anonymous.tasks()
+        assert exc.value.status == 401 and "Bearer" in exc.value.detail
+        with pytest.raises(Forbidden):
+            stranger.predict("sentiment", "x")
+        with pytest.raises(NotFound, match="task 'missing' is not registered"):
+            ps.predict("missing", "x")
+        with pytest.raises(InvalidRequest, match="top_k"):
+            ps.predict("sentiment", "x", top_k=0)
+        with pytest.raises(InvalidRequest, match="invalid patch"):
+            ps.register(b"not a patch")
+        with pytest.raises(NotFound, match="has no version 99"):
+            ps.rollback("sentiment", 99)
+
+
+def test_submit_and_wait_with_a_real_worker(server, capsys):
+    with Client(server, token=ADMIN) as ps:
+        job = ps.submit(
+            JOB, train=("train.jsonl", _rows(200, 1)), dev=("dev.jsonl", _rows(50, 2)), gate={"min_dev": 0.5}
+        )
+        assert job.status == "queued" and job.task == "sent" and job.gate["min_dev"] == 0.5
+        done = ps.wait(job, poll_s=0.2, timeout=240)
+        assert done.status == "succeeded", done.error
+        assert done.result["version"] >= 1 and done.progress["step"] == done.progress["total_steps"]
+        assert ps.job(done.id).status == "succeeded" and done.id in [j.id for j in ps.jobs(limit=10)]
+        with pytest.raises(Conflict, match="already ended"):
+            ps.cancel(done)
+        with pytest.raises(InvalidRequest, match="epochs"):
+            ps.submit(JOB | {"epochs": "5"}, train=("train.jsonl", _rows(20, 1)))
+    err = capsys.readouterr().err
+    assert f"job {done.id} (sent): succeeded" in err  # off a terminal: plain progress lines
+
+
+def test_the_async_client(server):
+    async def session() -> None:
+        async with AsyncClient(server, token=ADMIN) as ps:
+            tasks = await ps.tasks()
+            assert "sentiment" in [t.name for t in tasks]
+            answers = await asyncio.gather(*(ps.predict("sentiment", f"text {i}") for i in range(8)))
+            assert {a.task for a in answers} == {"sentiment"}
+            with pytest.raises(NotFound):
+                await ps.task("missing")
+            job = await ps.submit(JOB | {"max_steps": 20}, train=("t.jsonl", _rows(60, 1)))
+            done = await ps.wait(job.id, poll_s=0.2, timeout=240, progress=False)
+            assert done.status == "succeeded", done.error
+
+    asyncio.run(session())
+
+
+def test_cli_commands_against_a_server(server, capsys, monkeypatch):
+    monkeypatch.setenv("PATCHSERVE_TOKEN", ADMIN)
+    assert main(["predict", "--url", server, "--task", "sentiment", "the good movie", "a bad film"]) == 0
+    lines = capsys.readouterr().out.strip().split("\n")
+    assert len(lines) == 2 and lines[0].endswith("\tthe good movie") and lines[0].split()[0] in ("positive", "negative")
+    assert main(["predict", "--url", server, "--task", "sentiment", "--json", "x"]) == 0
+    assert json.loads(capsys.readouterr().out)["task"] == "sentiment"
+    assert main(["versions", "--url", server, "--task", "sentiment"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("version\tcurrent") and "\n1\t" in out
+    assert main(["rollback", "--url", server, "--task", "sentiment", "--version", "2"]) == 0
+    assert "version 2 is current" in capsys.readouterr().out
+    assert main(["predict", "--url", server, "--task", "missing", "x"]) == 1
+    assert "task 'missing' is not registered" in capsys.readouterr().err
+    assert main(["delete", "--url", server, "--task", "sentiment", "--token", "wrong"]) == 1
+    assert "HTTP 403" in capsys.readouterr().err
+    assert main(["versions", "--url", "http://127.0.0.1:9", "--task", "x"]) == 1
+    assert "cannot reach the server" in capsys.readouterr().err
