@@ -257,8 +257,8 @@ class _Waiter:
                 self.bar.set_postfix_str(f"{job.status} {dev}".strip())
         elif time.monotonic() - self.last_line >= 30 or job.done:
             self.last_line = time.monotonic()
-            where = f"step {step}/{total}" if total else "waiting for a worker"
-            print(f"job {job.id} ({job.task}): {job.status}, {where} {dev}".rstrip(), file=sys.stderr, flush=True)
+            where = f", step {step}/{total}" if total else ""
+            print(f"job {job.id} ({job.task}): {job.status}{where} {dev}".rstrip(), file=sys.stderr, flush=True)
 
 
 # --- the clients ---------------------------------------------------------------------------------------------------

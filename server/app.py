@@ -37,6 +37,7 @@ from server.engine.runner import Runner
 from server.engine.slots import PatchCache
 from server.inference import ClientGoneError
 from server.metrics import Metrics, RequestMetrics
+from server.oip import openapi_components
 from server.oip import router as oip_router
 from server.predict import InputError
 from server.routes import router
@@ -209,11 +210,24 @@ def create_app(
     app.include_router(router)
     app.include_router(jobs_router)
     app.include_router(oip_router)
+    _document(app, openapi_components())
     app.include_router(embeddings_router)
     _install_error_handlers(app)
     app.add_middleware(RequestMetrics)
     app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes, max_predict_bytes=settings.max_predict_body_bytes)
     return app
+
+
+def _document(app: FastAPI, schemas: dict[str, Any]) -> None:
+    """Add ``schemas`` to the OpenAPI document's components (for routes that read their bodies themselves)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            generate()["components"]["schemas"].update(schemas)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def app_factory() -> Any:

@@ -150,11 +150,18 @@ async def model_version_ready(name: TaskName, version: int, svc: ServiceDep, _: 
 
 
 # --- inference ---------------------------------------------------------------------------------------------------
+def openapi_components() -> dict[str, Any]:
+    """Schemas of the infer body, for the OpenAPI document's components (the route reads its body itself, since
+    it may be binary, so FastAPI does not add them)."""
+    schema = InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {**schema.pop("$defs", {}), "InferRequest": schema}
+
+
 _INFER_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")},
+            "application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
                 "description": f"The binary tensor data extension: {HEADER_LENGTH} bytes of JSON, then the tensors.",

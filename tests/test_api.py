@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -310,17 +311,27 @@ def test_ops_routes_and_openapi(make_client, tiny_encoder):
         "patchserve_request_latency_seconds",
     ):
         assert name in text, name
-    paths = client.get("/openapi.json").json()["paths"]
+    spec = client.get("/openapi.json").json()
+    paths = spec["paths"]
     for path in (
         "/tasks/{name}/predict",
         "/tasks",
         "/tasks/{name}",
         "/tasks/{name}/rollback",
+        "/tasks/{name}/embed",
+        "/embed",
+        "/v1/embeddings",
+        "/v2/models/{name}/infer",
+        "/v2/models/{name}/versions/{version}/infer",
+        "/v2/health/ready",
+        "/jobs/{job_id}/cancel",
         "/healthz",
         "/readyz",
         "/metrics",
     ):
         assert path in paths
+    refs = set(re.findall(r'"#/components/schemas/([A-Za-z0-9_]+)"', json.dumps(spec)))
+    assert refs and refs <= set(spec["components"]["schemas"]), "every schema the document refers to is in it"
 
 
 def test_overload_is_503_with_retry_after(make_client, tiny_encoder):

@@ -79,3 +79,23 @@ def test_env_example_documents_every_server_setting():
     compose_or_worker_only = {"PUBLISH_PORT", "IMAGE_TAG", "MAX_JOB_SECONDS"}
     unknown = documented - fields - compose_or_worker_only
     assert not unknown, f"unknown variables: {sorted(unknown)}"
+
+
+def test_kserve_runtime_runs_the_real_serve_command_and_probes_real_routes():
+    """The KServe custom runtime (a CRD, so kubernetes-validate cannot check it): its arguments are accepted by
+    `patchserve serve`, its env vars are settings, and its probes are routes the server has."""
+    import yaml
+
+    from patches.cli import build_parser
+
+    spec = yaml.safe_load((ROOT / "deploy" / "kserve" / "inferenceservice.yaml").read_text())
+    assert (spec["apiVersion"], spec["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    (container,) = spec["spec"]["predictor"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "serve" and args.port == container["ports"][0]["containerPort"] == 8080
+    settings = {f"PATCHSERVE_{f.upper()}" for f in ServerSettings.model_fields}
+    assert {e["name"] for e in container["env"]} <= settings
+    paths = set(create_app(ServerSettings()).openapi()["paths"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] in paths
+        assert container[probe]["httpGet"]["port"] == 8080
