@@ -74,8 +74,9 @@ class ServerSettings(BaseSettings):
     max_predict_body_bytes: int = Field(
         8 * 1024 * 1024,
         ge=1024,
-        description="Largest predict request body; else 413. Smaller than the upload limit because a predict body "
-        "is parsed on the event loop: this bounds how long one request can hold up every other (probes included).",
+        description="Largest body of an inference request (predict, infer, embed); else 413. Smaller than the upload "
+        "limit because such a body is parsed on the event loop: this bounds how long one request can hold up every "
+        "other (probes included).",
     )
     max_patch_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest patch file accepted.")
     patch_cache_mb: int = Field(512, ge=1, description="Host memory for parsed patches in front of the registry (LRU).")
