@@ -19,6 +19,7 @@ COPY pyproject.toml README.md ./
 COPY patches ./patches
 COPY server ./server
 COPY trainer ./trainer
+COPY patchserve ./patchserve
 # hadolint ignore=DL3013
 RUN pip install ".[plot]"
 # Load the default encoder once: proves it is baked in and caches its fingerprint for fast starts.
