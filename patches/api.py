@@ -177,9 +177,9 @@ class JobPublic(BaseModel):
     config: dict[str, Any] = Field(description="The training config (every field, defaults filled in).")
     gate: dict[str, Any] = Field(description='When the patch is registered: {"min_dev", "not_worse"}.')
     files: dict[str, str] = Field(description="Data file role (train, dev, test) -> the uploaded file's name.")
-    created_at: float = Field(description="Unix time of submission.")
-    started_at: float | None = None
-    finished_at: float | None = None
+    created_at: str = Field(description="When it was submitted (ISO-8601, UTC).")
+    started_at: str | None = Field(None, description="When its (last) attempt started.")
+    finished_at: str | None = Field(None, description="When it ended.")
     worker: str | None = None
     attempts: int = 0
     progress: dict[str, Any] = Field(
@@ -189,7 +189,7 @@ class JobPublic(BaseModel):
         default_factory=dict, description="When done: dev/test metrics, steps, seconds; version and patch_id."
     )
     error: str | None = Field(None, description="Why it was rejected, failed or cancelled.")
-    cancel_requested: float | None = Field(None, description="Unix time a cancel was asked for, if it was.")
+    cancel_requested: str | None = Field(None, description="When a cancel was asked for, if it was.")
 
     @property
     def done(self) -> bool:

@@ -94,7 +94,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="print a patch file's metadata; exit 1 with the reason if it is invalid")
     p.add_argument("file", help="a .safetensors patch file")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024, help="refuse files larger than this")
+    p.add_argument(
+        "--max-bytes", type=int, default=64 * 1024 * 1024, help="refuse files larger than this (default 64 MiB)"
+    )
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("tasks", help="list the tasks in a registry with their current versions")
@@ -109,10 +111,13 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from patches import __version__
+
     parser = argparse.ArgumentParser(
         prog="patchserve",
         description="Serve and train BitFit bias patches on one frozen shared encoder.",
     )
+    parser.add_argument("--version", action="version", version=f"patchserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for ep in sorted(entry_points(group="patchserve.commands"), key=lambda e: e.name):
         ep.load()(sub)

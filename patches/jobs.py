@@ -29,7 +29,7 @@ from patches.api import TERMINAL
 from patches.bitfit import BIAS_SUBSETS
 from patches.errors import InvalidTaskNameError, PatchServeError, describe_validation_errors
 from patches.format import KINDS, POOLINGS, shown, unprintable, validate_task_name
-from patches.store.base import redact_url
+from patches.store.base import iso_time, redact_url
 from patches.store.redis import call_redis, parse_redis_url, run_transaction
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
 
@@ -209,8 +209,14 @@ class Job:
     cancel_requested: float | None = None  # when POST /jobs/{id}/cancel asked a running job to stop
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As shown to people and clients (the API, the CLI): times as ISO-8601 UTC strings, like task times."""
+        shown = asdict(self)
+        for key in self._TIMES:
+            if shown[key] is not None:
+                shown[key] = iso_time(shown[key])
+        return shown
 
+    _TIMES = ("created_at", "started_at", "finished_at", "cancel_requested")
     _JSON = ("config", "gate", "files", "progress", "result")
 
     def to_hash(self) -> dict[Any, Any]:
@@ -225,7 +231,7 @@ class Job:
     def from_hash(cls, raw: dict[bytes, bytes]) -> Job:
         d = {k.decode(): v.decode() for k, v in raw.items() if k != b"patch"}
         kw: dict[str, Any] = {k: json.loads(d[k]) for k in cls._JSON if k in d}
-        for k in ("created_at", "started_at", "finished_at", "cancel_requested"):
+        for k in cls._TIMES:
             if k in d:
                 kw[k] = float(d[k])
         return cls(

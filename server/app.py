@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY, RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -39,6 +40,7 @@ from server.inference import ClientGoneError
 from server.metrics import Metrics, RequestMetrics
 from server.oip import openapi_components
 from server.oip import router as oip_router
+from server.openapi import add_schemas
 from server.predict import InputError
 from server.routes import router
 from server.routes_jobs import router as jobs_router
@@ -199,7 +201,7 @@ def create_app(
             if queue is not None:
                 queue.close()
 
-    app = FastAPI(
+    app = FastAPIOffline(  # /docs and /redoc with their assets served by the app (no CDN): they work offline
         title="patchserve",
         version=__version__,
         description="Multi-task inference for BitFit bias patches on one frozen shared encoder. Requests of "
@@ -210,24 +212,12 @@ def create_app(
     app.include_router(router)
     app.include_router(jobs_router)
     app.include_router(oip_router)
-    _document(app, openapi_components())
+    add_schemas(app, openapi_components())
     app.include_router(embeddings_router)
     _install_error_handlers(app)
     app.add_middleware(RequestMetrics)
     app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes, max_predict_bytes=settings.max_predict_body_bytes)
     return app
-
-
-def _document(app: FastAPI, schemas: dict[str, Any]) -> None:
-    """Add ``schemas`` to the OpenAPI document's components (for routes that read their bodies themselves)."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            generate()["components"]["schemas"].update(schemas)
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def app_factory() -> Any:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from patches.encoder import Encoder
 from patches.jobs import JobQueue
@@ -42,10 +43,13 @@ def get_service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(get_service)]
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+bearer = HTTPBearer(
+    auto_error=False,
+    description="PATCHSERVE_ADMIN_TOKEN for registering, deleting, rolling back and jobs; PATCHSERVE_PREDICT_TOKEN "
+    "(or the admin token) for predict, infer and embeddings. Reads of tasks and jobs take either. A route needs no "
+    "token when the server has none set.",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 
 def _matches(given: str, *tokens: object) -> bool:
@@ -56,50 +60,47 @@ def _matches(given: str, *tokens: object) -> bool:
     return ok
 
 
-def _unauthorized(what: str) -> HTTPException:
-    return HTTPException(
-        401, f"this route needs 'Authorization: Bearer <{what}>'", headers={"WWW-Authenticate": "Bearer"}
-    )
-
-
-def _require(request: Request, accepted: tuple[object, ...], what: str, forbidden: str) -> None:
+def _require(
+    credentials: HTTPAuthorizationCredentials | None, accepted: tuple[object, ...], what: str, forbidden: str
+) -> None:
     """401 without a bearer token, 403 when it matches none of ``accepted``; no check when none is set."""
     if all(t is None for t in accepted):
         return
-    given = _bearer(request)
-    if given is None:
-        raise _unauthorized(what)
-    if not _matches(given, *accepted):
+    if credentials is None or not credentials.credentials.strip():
+        raise HTTPException(
+            401, f"this route needs 'Authorization: Bearer <{what}>'", headers={"WWW-Authenticate": "Bearer"}
+        )
+    if not _matches(credentials.credentials.strip(), *accepted):
         raise HTTPException(403, forbidden)
 
 
-def require_admin(request: Request, svc: ServiceDep) -> None:
+def require_admin(credentials: Credentials, svc: ServiceDep) -> None:
     _require(
-        request,
+        credentials,
         (svc.settings.admin_token,),
         "admin token",
-        "the bearer token is not the admin token; registering, deleting, rolling back and submitting jobs "
-        "need PATCHSERVE_ADMIN_TOKEN",
+        "the bearer token is not the admin token; registering, deleting, rolling back and jobs need "
+        "PATCHSERVE_ADMIN_TOKEN",
     )
 
 
-def require_predict(request: Request, svc: ServiceDep) -> None:
+def require_predict(credentials: Credentials, svc: ServiceDep) -> None:
     """With a predict token set, predict needs it (or the admin token); with only an admin token, predict is open."""
     if svc.settings.predict_token is None:
         return
     _require(
-        request,
+        credentials,
         (svc.settings.predict_token, svc.settings.admin_token),
         "predict token",
         "the bearer token is neither the predict token nor the admin token",
     )
 
 
-def require_reader(request: Request, svc: ServiceDep) -> None:
+def require_reader(credentials: Credentials, svc: ServiceDep) -> None:
     """Reads of tasks and jobs (metadata, configs, errors, tracebacks) need the predict or the admin token whenever
     either is set; probes and metrics stay open."""
     _require(
-        request,
+        credentials,
         (svc.settings.predict_token, svc.settings.admin_token),
         "predict or admin token",
         "the bearer token is neither the predict token nor the admin token",

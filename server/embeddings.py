@@ -20,14 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
-from patches.api import EmbedRequest, EmbedResponse, ErrorBody, Text
+from patches.api import EmbedRequest, EmbedResponse, Text
 from server.deps import PredictAuth, ServiceDep
 from server.inference import BASE_TASK, Counted, name_task, run_rows
-from server.params import TaskName
+from server.openapi import TaskName, errors
 from server.predict import InputError, check_request, normalise_inputs
 
 router = APIRouter(tags=["embeddings"])
-_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 409, 413, 422, 503, 504)}
 BASE_MODEL = "base"  # /v1 model name of the base encoder (its own name works too)
 
 
@@ -57,7 +56,10 @@ async def _embed(
     return response, sum(len(e.row.input_ids) for e in encoded)
 
 
-@router.post("/tasks/{name}/embed", response_model=EmbedResponse, responses=_ERRORS)
+_TASK_ERRORS = errors(401, 403, 404, 409, 413, 422, 503, 504)
+
+
+@router.post("/tasks/{name}/embed", response_model=EmbedResponse, responses=_TASK_ERRORS)
 async def embed_task(
     name: TaskName, body: EmbedRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
 ) -> Any:
@@ -66,7 +68,7 @@ async def embed_task(
     return (await _embed(svc, request, name, texts, pairs, body.normalize))[0]
 
 
-@router.post("/embed", response_model=EmbedResponse, responses=_ERRORS)
+@router.post("/embed", response_model=EmbedResponse, responses=errors(401, 403, 413, 422, 503, 504))
 async def embed_base(body: EmbedRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted) -> Any:
     """Each input's pooled vector under the base encoder (no patch)."""
     texts, pairs = normalise_inputs(body.inputs)
@@ -108,7 +110,7 @@ class OpenAIEmbeddingResponse(BaseModel):
     usage: OpenAIUsage
 
 
-@router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=_ERRORS)
+@router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=_TASK_ERRORS)
 async def openai_embeddings(
     body: OpenAIEmbeddingRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
 ) -> Any:
@@ -134,7 +136,7 @@ def _base64(vector: list[float]) -> str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(401, 403))
 async def openai_models(svc: ServiceDep, _: PredictAuth) -> dict[str, Any]:
     """OpenAI's model list: every task, and the base encoder."""
     now = int(time.time())

@@ -26,17 +26,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from patches import __version__
-from patches.api import ErrorBody, Prediction
+from patches.api import Prediction
 from patches.errors import describe_validation_errors
 from patches.format import PatchMeta, strict_json
 from server.deps import PredictAuth, ServiceDep
 from server.inference import Counted, name_task, run_rows
-from server.params import TaskName
+from server.openapi import TaskName, errors
 from server.predict import InputError, check_request, decode
 
 router = APIRouter(tags=["open inference protocol (KServe v2)"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
-_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 409, 413, 422, 503, 504)}
+_READ = errors(401, 403, 404, 409, 422, 503)
+_INFER = errors(401, 403, 404, 409, 413, 422, 503, 504)
 _PROTOCOL = ConfigDict(extra="forbid")
 
 
@@ -93,7 +94,7 @@ async def live() -> dict[str, bool]:
     return {"live": True}
 
 
-@router.get("/v2/health/ready", responses={503: {"model": ErrorBody}})
+@router.get("/v2/health/ready", responses=errors(503))
 async def ready(svc: ServiceDep) -> dict[str, bool]:
     """The encoder is loaded and the registry answers (as /readyz)."""
     await run_in_threadpool(svc.registry.ping)
@@ -123,26 +124,26 @@ async def _metadata(svc: Any, name: str, version: int | None) -> ModelMetadata:
     return await run_in_threadpool(read)
 
 
-@router.get("/v2/models/{name}", response_model=ModelMetadata, responses=_ERRORS)
+@router.get("/v2/models/{name}", response_model=ModelMetadata, responses=_READ)
 async def model_metadata(name: TaskName, svc: ServiceDep, _: PredictAuth) -> Any:
     """A task as a model: its stored versions, its input tensors and the output tensors of its kind."""
     return await _metadata(svc, name, None)
 
 
-@router.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata, responses=_ERRORS)
+@router.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata, responses=_READ)
 async def model_version_metadata(name: TaskName, version: int, svc: ServiceDep, _: PredictAuth) -> Any:
     """As GET /v2/models/{name}, for one stored version."""
     return await _metadata(svc, name, version)
 
 
-@router.get("/v2/models/{name}/ready", responses=_ERRORS)
+@router.get("/v2/models/{name}/ready", responses=_READ)
 async def model_ready(name: TaskName, svc: ServiceDep, _: PredictAuth) -> dict[str, Any]:
     """200 when the task is registered and fits this server's encoder; else 404 or 409."""
     await run_in_threadpool(svc.catalog.resolve, name)
     return {"name": name, "ready": True}
 
 
-@router.get("/v2/models/{name}/versions/{version}/ready", responses=_ERRORS)
+@router.get("/v2/models/{name}/versions/{version}/ready", responses=_READ)
 async def model_version_ready(name: TaskName, version: int, svc: ServiceDep, _: PredictAuth) -> dict[str, Any]:
     """As GET /v2/models/{name}/ready, for one stored version."""
     await run_in_threadpool(svc.catalog.resolve, name, version)
@@ -171,13 +172,13 @@ _INFER_BODY = {
 }
 
 
-@router.post("/v2/models/{name}/infer", responses=_ERRORS, openapi_extra=_INFER_BODY)
+@router.post("/v2/models/{name}/infer", responses=_INFER, openapi_extra=_INFER_BODY)
 async def infer(name: TaskName, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted) -> Response:
     """Run a task's current version on a BYTES ``text`` tensor (and ``text_pair``); outputs by its kind."""
     return await _infer(svc, request, name, None)
 
 
-@router.post("/v2/models/{name}/versions/{version}/infer", responses=_ERRORS, openapi_extra=_INFER_BODY)
+@router.post("/v2/models/{name}/versions/{version}/infer", responses=_INFER, openapi_extra=_INFER_BODY)
 async def infer_version(
     name: TaskName, version: int, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
 ) -> Response:

@@ -10,7 +10,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from patches.api import (
     BaseInfo,
-    ErrorBody,
     PredictRequest,
     PredictResponse,
     RollbackRequest,
@@ -25,20 +24,17 @@ from patches.errors import PatchError, PatchServeError, PatchTooLargeError
 from patches.format import Patch
 from server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
 from server.inference import Counted, name_task, run_rows
-from server.params import TaskName
+from server.openapi import TaskName, errors
 from server.predict import check_request, decode, normalise_inputs
 
 router = APIRouter()
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 413, 422, 503, 504)
-}
 
 
 @router.post(
     "/tasks/{name}/predict",
     response_model=PredictResponse,
     response_model_exclude_none=True,
-    responses=_ERRORS,
+    responses=errors(401, 403, 404, 409, 413, 422, 503, 504),
     tags=["predict"],
 )
 async def predict(
@@ -54,7 +50,9 @@ async def predict(
     return PredictResponse(task=name, version=info.version, patch_id=info.patch_id, predictions=preds)
 
 
-@router.post("/tasks", status_code=201, response_model=TaskRegistered, responses=_ERRORS, tags=["tasks"])
+@router.post(
+    "/tasks", status_code=201, response_model=TaskRegistered, responses=errors(401, 403, 413, 422, 503), tags=["tasks"]
+)
 async def register(
     svc: ServiceDep,
     _: AdminAuth,
@@ -82,7 +80,7 @@ async def register(
     )
 
 
-@router.get("/tasks", response_model=list[TaskSummary], tags=["tasks"])
+@router.get("/tasks", response_model=list[TaskSummary], responses=errors(401, 403, 503), tags=["tasks"])
 async def list_tasks(svc: ServiceDep, _: ReadAuth) -> Any:
     """Every registered task with its current version."""
     snap = await run_in_threadpool(svc.registry.snapshot)
@@ -92,7 +90,7 @@ async def list_tasks(svc: ServiceDep, _: ReadAuth) -> Any:
     ]
 
 
-@router.get("/tasks/{name}", response_model=TaskDetail, responses=_ERRORS, tags=["tasks"])
+@router.get("/tasks/{name}", response_model=TaskDetail, responses=errors(401, 403, 404, 422, 503), tags=["tasks"])
 async def get_task(name: TaskName, svc: ServiceDep, _: ReadAuth) -> Any:
     """A task's versions, which one is current, and the current patch's metadata."""
 
@@ -112,14 +110,16 @@ async def get_task(name: TaskName, svc: ServiceDep, _: ReadAuth) -> Any:
     return await run_in_threadpool(read)
 
 
-@router.delete("/tasks/{name}", response_model=TaskDeleted, responses=_ERRORS, tags=["tasks"])
+@router.delete("/tasks/{name}", response_model=TaskDeleted, responses=errors(401, 403, 404, 422, 503), tags=["tasks"])
 async def delete_task(name: TaskName, svc: ServiceDep, _: AdminAuth) -> Any:
     """Delete a task and all its versions. Requests already in flight still complete."""
     await run_in_threadpool(svc.catalog.delete, name)
     return TaskDeleted(name=name)
 
 
-@router.post("/tasks/{name}/rollback", response_model=TaskSummary, responses=_ERRORS, tags=["tasks"])
+@router.post(
+    "/tasks/{name}/rollback", response_model=TaskSummary, responses=errors(401, 403, 404, 422, 503), tags=["tasks"]
+)
 async def rollback(name: TaskName, body: RollbackRequest, svc: ServiceDep, _: AdminAuth) -> Any:
     """Make an earlier (or later) stored version current."""
     info = await run_in_threadpool(svc.catalog.rollback, name, body.version)
@@ -132,7 +132,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"model": ErrorBody}}, tags=["ops"])
+@router.get("/readyz", responses=errors(503), tags=["ops"])
 async def readyz(svc: ServiceDep) -> dict[str, str]:
     """The encoder is loaded and the registry answers."""
     try:

@@ -7,15 +7,14 @@ from typing import Any
 from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
-from patches.api import ErrorBody, JobPublic
+from patches.api import JobPublic
 from patches.format import strict_json
 from patches.jobs import Gate, JobError, JobQueue, TrainConfig
 from server.deps import AdminAuth, ReadAuth, ServiceDep
-from server.params import JobId
+from server.openapi import JobId, errors
 from trainer.data import job_splits
 
 router = APIRouter(tags=["jobs"])
-_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (401, 403, 404, 413, 422, 501, 503)}
 
 
 def _queue(svc: Any) -> JobQueue:
@@ -29,7 +28,7 @@ def _queue(svc: Any) -> JobQueue:
     return queue
 
 
-@router.post("/jobs", status_code=202, response_model=JobPublic, responses=_ERRORS)
+@router.post("/jobs", status_code=202, response_model=JobPublic, responses=errors(401, 403, 413, 422, 501, 503))
 async def submit_job(
     svc: ServiceDep,
     _: AdminAuth,
@@ -60,7 +59,7 @@ async def submit_job(
     return job.to_dict()
 
 
-@router.get("/jobs", response_model=list[JobPublic], responses=_ERRORS)
+@router.get("/jobs", response_model=list[JobPublic], responses=errors(401, 403, 422, 501, 503))
 async def list_jobs(
     svc: ServiceDep, _: ReadAuth, limit: int = Query(50, ge=1, le=1000, description="How many jobs, newest first.")
 ) -> list[dict[str, Any]]:
@@ -69,13 +68,13 @@ async def list_jobs(
     return [j.to_dict() for j in jobs]
 
 
-@router.get("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)
+@router.get("/jobs/{job_id}", response_model=JobPublic, responses=errors(401, 403, 404, 422, 501, 503))
 async def get_job(job_id: JobId, svc: ServiceDep, _: ReadAuth) -> dict[str, Any]:
     """One job: status (queued, running, succeeded, rejected, failed), progress, result, error."""
     return (await run_in_threadpool(_queue(svc).get, job_id)).to_dict()
 
 
-@router.post("/jobs/{job_id}/cancel", response_model=JobPublic, responses=_ERRORS | {409: {"model": ErrorBody}})
+@router.post("/jobs/{job_id}/cancel", response_model=JobPublic, responses=errors(401, 403, 404, 409, 422, 501, 503))
 async def cancel_job(job_id: JobId, svc: ServiceDep, _: AdminAuth) -> dict[str, Any]:
     """Cancel a job. A queued job ends as ``cancelled`` at once; a running one is asked to stop, and its worker
     ends it as ``cancelled`` at its next update (within a few seconds): follow it with GET /jobs/{id}. A job that

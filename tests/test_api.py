@@ -514,3 +514,39 @@ def test_a_redis_password_never_leaves_the_server(make_client, tiny_encoder, tmp
             proc.wait(timeout=10)
     assert "s3cret-pw" not in caplog.text
     assert redact_url("redis://user:pw@h:1/0?password=pw&prefix=a:") == "redis://user:***@h:1/0?password=***&prefix=a:"
+
+
+def test_api_docs_work_offline_and_the_schema_is_exact(make_client):
+    client = make_client(admin_token="adm1n")
+    for page in ("/docs", "/redoc"):
+        html = client.get(page).text
+        assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+        assert assets and not [a for a in assets if a.startswith(("http:", "https:", "//"))], assets  # no CDN
+        for asset in assets:
+            assert client.get(asset).status_code == 200, asset  # every asset is served by the app itself
+    spec = client.get("/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": spec["components"]["securitySchemes"]["HTTPBearer"]["description"],
+    }
+    ops = {(path, method): op for path, item in spec["paths"].items() for method, op in item.items()}
+    assert ops[("/tasks", "post")]["security"] == [{"HTTPBearer": []}]
+    assert "security" not in ops[("/healthz", "get")] and "security" not in ops[("/metrics", "get")]
+    assert "HTTPValidationError" not in spec["components"]["schemas"]  # every 422 is {"detail": "..."}
+    codes = {key: {c for c in op["responses"] if c.startswith(("4", "5"))} for key, op in ops.items()}
+    assert codes[("/healthz", "get")] == set() and codes[("/readyz", "get")] == {"503"}
+    assert codes[("/tasks", "get")] == {"401", "403", "503"}  # no 404 or 413 where none can happen
+    assert codes[("/tasks/{name}", "delete")] == {"401", "403", "404", "422", "503"}
+    assert codes[("/jobs/{job_id}/cancel", "post")] == {"401", "403", "404", "409", "422", "501", "503"}
+    assert "504" in codes[("/tasks/{name}/predict", "post")] and "409" not in codes[("/jobs", "post")]
+    for key, op in ops.items():
+        for code in codes[key]:
+            schema = op["responses"][code]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (key, code)
+    assert ops[("/jobs/{job_id}", "get")]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/JobPublic"
+    }
+    assert ops[("/tasks/{name}", "delete")]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/TaskDeleted"
+    }

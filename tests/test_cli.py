@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 
+import pytest
 from safetensors.torch import save as st_save
 
 from patches.cli import main
@@ -66,3 +67,28 @@ def test_console_script_is_installed(tmp_path, tiny_encoder):
     assert json.loads(done.stdout)["task"] == "sentiment"
     done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert "inspect" in done.stdout and "tasks" in done.stdout
+
+
+def test_every_option_explains_itself_and_names_its_default(capsys):
+    import argparse
+
+    from patches.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            shown = action.help or ""
+            has_default = action.option_strings and action.default not in (None, False)
+            if not shown or (
+                has_default and not isinstance(action, argparse.BooleanOptionalAction) and "default" not in shown
+            ):
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, f"options without help or without their default: {missing}"
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("patchserve 0.1")

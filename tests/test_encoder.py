@@ -56,3 +56,10 @@ def test_default_packaged_minilm(minilm):
     enc = minilm.tokenizer(["a plane is taking off"], return_tensors="pt")
     out = minilm.model(**enc).last_hidden_state
     assert out.shape == (1, enc["input_ids"].shape[1], 384) and torch.isfinite(out).all()
+
+
+def test_loading_prints_no_progress_bar(tiny_bert_dir, capfd):
+    """transformers' "Loading weights" bar used to land in every server and worker log."""
+    load_encoder(str(tiny_bert_dir))
+    captured = capfd.readouterr()
+    assert "Loading weights" not in captured.err and "it/s" not in captured.err

@@ -208,7 +208,8 @@ def test_job_api_end_to_end(redis_ns, tiny_bert_dir, tiny_encoder):
         pred = client.post("/tasks/sent/predict", json={"inputs": ["the good movie", "a bad film"]}).json()
         assert pred["patch_id"] == job["result"]["patch_id"]
         assert [p["label"] for p in pred["predictions"]] == ["positive", "negative"]
-        assert client.get("/jobs/nope", headers=auth).status_code == 404
+        assert client.get("/jobs/nope", headers=auth).status_code == 422  # not a job id at all
+        assert client.get(f"/jobs/{'0' * 32}", headers=auth).status_code == 404
         assert client.get("/jobs?limit=0", headers=auth).status_code == 422  # limit 0 once listed every job
 
 

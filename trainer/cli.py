@@ -56,7 +56,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         help="train with seeds seed..seed+N-1 and keep the best dev score (default 1)",
     )
     p.add_argument("--batch-size", type=int, default=16, help="examples per update (default 16)")
-    p.add_argument("--max-seq-length", type=int, default=128, help="truncate inputs to this many tokens")
+    p.add_argument("--max-seq-length", type=int, default=128, help="truncate inputs to this many tokens (default 128)")
     p.add_argument(
         "--pooling",
         choices=["mean", "cls", "pooler"],
@@ -305,13 +305,15 @@ def _jobs(args: argparse.Namespace) -> int:
     if words:
         print(json.dumps(queue.get(words[0]).to_dict(), indent=2))
         return 0
-    jobs = queue.list(args.limit)
+    jobs = [j.to_dict() for j in queue.list(args.limit)]
     if args.json:
-        print(json.dumps([j.to_dict() for j in jobs], indent=2))
-    for j in [] if args.json else jobs:
-        step = j.progress.get("step")
-        prog = f"{step}/{j.progress.get('total_steps')}" if step else "-"
-        print(f"{j.id}\t{j.task}\t{j.status}\t{prog}\t{j.error or ''}")
+        print(json.dumps(jobs, indent=2))
+        return 0
+    print("id\ttask\tstatus\tprogress\tcreated_at\terror")
+    for j in jobs:
+        step = j["progress"].get("step")
+        prog = f"{step}/{j['progress'].get('total_steps')}" if step else "-"
+        print(f"{j['id']}\t{j['task']}\t{j['status']}\t{prog}\t{j['created_at']}\t{j['error'] or ''}")
     return 0
 
 
@@ -344,7 +346,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--report", help="write the JSON report here, and a PNG (learning curve + bias heatmap) beside it")
     p.add_argument("--model", default="default", help="base encoder: 'default', a local HF folder or a hub id")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: CUDA when present)")
     p.set_defaults(func=_train, registry_given=False)
 
     p = sub.add_parser(
@@ -354,8 +356,10 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--patch", required=True, help="a .safetensors patch file")
     p.add_argument("--data", required=True, help="labelled data (.jsonl or .csv) in the task's layout")
-    p.add_argument("--model", default="default", help="the base encoder the patch was trained on")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument(
+        "--model", default="default", help="the base encoder the patch was trained on (default: the packaged MiniLM)"
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="rows per evaluation batch (default 64)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser(
@@ -372,12 +376,12 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=os.environ.get("PATCHSERVE_MODEL", "default"),
-        help="base encoder, the same as the servers' (env PATCHSERVE_MODEL)",
+        help="base encoder, the same as the servers' (env PATCHSERVE_MODEL; default: the packaged MiniLM)",
     )
     p.add_argument(
         "--device",
         default=os.environ.get("PATCHSERVE_DEVICE") or "auto",
-        help="where jobs train: auto, cpu, cuda or cuda:N (env PATCHSERVE_DEVICE); a job's own "
+        help="where jobs train: auto, cpu, cuda or cuda:N (env PATCHSERVE_DEVICE; default auto); a job's own "
         "device setting wins when it is not 'auto'",
     )
     p.add_argument("--name", help="worker name in the queue (default host-pid)")
@@ -385,9 +389,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         "--lease-s",
         type=float,
         default=60.0,
-        help="a job whose worker sent no heartbeat for this long is given to another worker",
+        help="a job whose worker sent no heartbeat for this long is given to another worker (default 60)",
     )
-    p.add_argument("--max-attempts", type=int, default=3, help="give a job up after this many attempts")
+    p.add_argument("--max-attempts", type=int, default=3, help="give a job up after this many attempts (default 3)")
     p.add_argument("--max-jobs", type=int, help="exit after this many jobs (default: run until stopped)")
     p.add_argument(
         "--max-job-updates",
@@ -402,7 +406,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         default=float(os.environ.get("PATCHSERVE_MAX_JOB_SECONDS") or 24 * 3600),
         help="stop a job (failed) that trains longer than this (env PATCHSERVE_MAX_JOB_SECONDS; default 86400)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
     p.set_defaults(func=_worker)
 
     p = sub.add_parser(
@@ -428,6 +432,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("words", nargs="*", metavar="[cancel] ID", help="a job id, or 'cancel' and a job id")
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
-    p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--limit", type=int, default=50, help="how many recent jobs to list (default 50)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_jobs)

@@ -38,8 +38,13 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=netloc, query=urlencode(query, safe="*:/")).geturl()
 
 
+def iso_time(seconds: float) -> str:
+    """A Unix time as the ISO-8601 UTC string every time patchserve shows is written in."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
+
+
 def utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
+    return iso_time(datetime.now(UTC).timestamp())
 
 
 @dataclass(frozen=True)
