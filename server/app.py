@@ -30,6 +30,7 @@ from patches.errors import (
 )
 from patches.jobs import JobError, JobNotFoundError, JobQueue, JobStateError
 from patches.store import Registry, open_registry
+from server import ui
 from server.catalog import Catalog
 from server.deps import Service
 from server.embeddings import router as embeddings_router
@@ -214,6 +215,8 @@ def create_app(
     app.include_router(oip_router)
     add_schemas(app, openapi_components())
     app.include_router(embeddings_router)
+    app.include_router(ui.router)
+    app.mount("/ui/static", ui.static, name="ui-static")
     _install_error_handlers(app)
     app.add_middleware(RequestMetrics)
     app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes, max_predict_bytes=settings.max_predict_body_bytes)

@@ -57,11 +57,30 @@ class Metrics:
             "patchserve_jobs", "Training jobs by status among the most recent 500.", ["status"], registry=r
         )
         self._slots_seen = SlotStats()
+        self._counted: tuple[float, dict[str, float]] | None = None  # (when, requests per task) at the last rate
+        self._rates: dict[str, float] = {}
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_rows.observe(stats.rows)
         self.batch_tasks.observe(stats.tasks)
         self.batch_seconds.observe(stats.seconds)
+
+    def request_rates(self) -> dict[str, float]:
+        """Requests per second per task, from the request counter, over the time since the last call that was at
+        least a second ago (callers in between get that answer again)."""
+        now = time.monotonic()
+        counts: dict[str, float] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["task"]] = counts.get(sample.labels["task"], 0.0) + sample.value
+        if self._counted is None:
+            self._counted = (now, counts)
+        elif now - self._counted[0] >= 1.0:
+            since, before = self._counted
+            self._rates = {task: (n - before.get(task, 0.0)) / (now - since) for task, n in counts.items()}
+            self._counted = (now, counts)
+        return self._rates
 
     def set_jobs(self, statuses: list[str]) -> None:
         for status in JOB_STATUSES:
