@@ -160,8 +160,14 @@ def create_app(
             device=settings.device,
             dtype=settings.dtype,
             slots=settings.slots,
+            engine=settings.engine,
             drop_key_bias=settings.drop_key_bias,
             fold_value_bias=settings.fold_value_bias,
+            fold_ln_bias=settings.fold_ln_bias,
+            cuda_graphs=settings.cuda_graphs,
+            overlap_batches=settings.overlap_batches,
+            max_rows=settings.max_batch_rows,
+            max_tokens=settings.max_batch_tokens,
             on_load=metrics.patch_load.labels(source="slot").observe,
         )
         batcher = Batcher(

@@ -46,7 +46,10 @@ class ServerSettings(BaseSettings):
     )
     max_batch_rows: int = Field(32, ge=1, description="Most inputs (of any tasks) run in one forward pass.")
     max_batch_tokens: int = Field(
-        8192, ge=16, description="Most padded tokens (rows x longest row) in one forward pass; bounds memory."
+        8192,
+        ge=16,
+        description="Most tokens in one forward pass; bounds memory. Real tokens on the packed engine (no padding), "
+        "rows x longest row on the slotted one.",
     )
     max_wait_ms: float = Field(
         5.0,
@@ -91,6 +94,23 @@ class ServerSettings(BaseSettings):
         ge=1,
         description="Most optimizer updates one training job may plan over all its runs (restarts x learning "
         "rates); POST /jobs refuses bigger jobs with 422. Workers have the same cap (patchserve worker).",
+    )
+    engine: str = Field(
+        "auto",
+        pattern="^(auto|packed|slotted)$",
+        description="'packed' (padding-free, folded biases, CUDA graphs on a GPU; BERT encoders), 'slotted' (the "
+        "Hugging Face model with per-row bias modules; any encoder) or 'auto' (packed where it can run).",
+    )
+    cuda_graphs: bool = Field(
+        True, description="On a GPU in half precision, replay the packed forward as CUDA graphs (one per size)."
+    )
+    overlap_batches: bool = Field(
+        False,
+        description="Launch the next batch while the GPU still runs the previous one (packed engine). Off until "
+        "measured on a GPU (docs/benchmarks/engine.md).",
+    )
+    fold_ln_bias: bool = Field(
+        True, description="Fold each LayerNorm's beta into the biases after it per task (exact; packed engine)."
     )
     drop_key_bias: bool = Field(
         True, description="Skip the key bias, which cannot change attention (exact); off only for comparisons."

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from patches.encoder import Encoder, load_encoder
+from patches.format import Patch
 from patches.store import Registry
 from patches.store.disk import DiskRegistry
 from patches.store.redis import RedisRegistry
-from tests.helpers import make_tiny_bert_folder, start_redis
+from tests.helpers import make_patch, make_tiny_bert_folder, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +26,18 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_encoder(tiny_bert_dir: Path) -> Encoder:
     """Loaded once per session; tests must not modify its weights (use ``fresh_encoder`` for that)."""
     return load_encoder(str(tiny_bert_dir))
+
+
+@pytest.fixture(scope="module")
+def task_patches(tiny_encoder: Encoder) -> list[Patch]:
+    """One patch of each kind and pooling, and one that trains only the query and intermediate biases."""
+    return [
+        make_patch(tiny_encoder, "sent", seed=1, pooling="mean"),
+        make_patch(tiny_encoder, "topic", seed=2, pooling="cls", labels=["a", "b", "c", "d", "e"]),
+        make_patch(tiny_encoder, "score", seed=3, kind="regression", pooling="pooler"),
+        make_patch(tiny_encoder, "pos", seed=4, kind="token-classification"),
+        make_patch(tiny_encoder, "small", seed=5, subset="query-intermediate"),
+    ]
 
 
 @pytest.fixture

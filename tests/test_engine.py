@@ -40,21 +40,16 @@ def _reference(plain_model, patch, row):
     return out[0]
 
 
-@pytest.fixture(scope="module")
-def task_patches(tiny_encoder):
-    return [
-        make_patch(tiny_encoder, "sent", seed=1, pooling="mean"),
-        make_patch(tiny_encoder, "topic", seed=2, pooling="cls", labels=["a", "b", "c", "d", "e"]),
-        make_patch(tiny_encoder, "score", seed=3, kind="regression", pooling="pooler"),
-        make_patch(tiny_encoder, "pos", seed=4, kind="token-classification"),
-        make_patch(tiny_encoder, "small", seed=5, subset="query-intermediate"),
-    ]
-
-
+@pytest.mark.parametrize("engine", ["packed", "slotted"])
 @pytest.mark.parametrize("simplify", [True, False], ids=["drop-k+fold-v", "plain-banks"])
-def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_patches, simplify):
+def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_patches, simplify, engine):
     runner = Runner(
-        load_encoder(str(tiny_bert_dir)), device="cpu", slots=8, drop_key_bias=simplify, fold_value_bias=simplify
+        load_encoder(str(tiny_bert_dir)),
+        device="cpu",
+        slots=8,
+        engine=engine,
+        drop_key_bias=simplify,
+        fold_value_bias=simplify,
     )
     rng = random.Random(0)
     rows = []
@@ -92,7 +87,7 @@ def test_sentence_pairs(tiny_bert_dir, tiny_encoder):
 
 
 def test_key_bias_is_dropped_and_value_bias_folded(tiny_bert_dir):
-    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2)
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2, engine="slotted")
     layer = runner.model.encoder.layer[0]
     assert isinstance(layer.attention.self.key, SlottedLinear) and layer.attention.self.key.bank is None
     assert layer.attention.self.value.bank is None
@@ -149,13 +144,14 @@ def test_default_minilm_mixed_batch(minilm):
 def _spy_runner(tiny_bert_dir, slots):
     runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=slots)
     batches: list[list[Row]] = []
-    real = runner.run
+    real = runner.launch
 
     def spy(rows):
+        pending = real(rows)
         batches.append(list(rows))
-        return real(rows)
+        return pending
 
-    runner.run = spy  # type: ignore[method-assign]
+    runner.launch = spy  # type: ignore[method-assign]
     return runner, batches
 
 
@@ -242,3 +238,16 @@ def test_default_minilm_mixed_batch_on_cuda(minilm, dtype):
             )
         plain_err = ((alone[0].float().cpu() - ref).norm() / ref.norm()).item()
         assert err <= 2 * plain_err + 5e-3, (err, plain_err)
+
+
+def test_slot_manager_acquire_is_all_or_nothing():
+    """A batch that cannot get all its slots (others are pinned by a batch in flight) takes none of them, so it
+    can be retried once that batch has finished."""
+    sm = SlotManager(3)
+    sm.acquire(["a", "b"])  # in flight
+    with pytest.raises(SlotsExhaustedError):
+        sm.acquire(["a", "c", "d"])
+    assert "c" not in sm and len(sm) == 2
+    sm.release(["a", "b"])
+    mapping, to_load = sm.acquire(["c", "d", "e"])  # every slot is free to take again
+    assert sorted(mapping.values()) == [0, 1, 2] and len(to_load) == 3

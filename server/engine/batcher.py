@@ -1,9 +1,10 @@
 """The batcher: one asyncio actor owns the queue and turns rows of any tasks into batches for the runner.
 
-Request lifecycle: ``submit(rows)`` -> queue -> the actor collects a batch (bounded by max rows, max padded
-tokens, max distinct patches and max wait; rows of similar length together, to cut padding) -> runs it on the runner's
-single worker thread (the event loop never blocks) -> resolves each row's future. Rows whose request was
-cancelled (client gone, timeout) are dropped before they reach the device.
+Request lifecycle: ``submit(rows)`` -> queue -> the actor collects a batch (bounded by max rows, max tokens -- real
+ones on the packed engine, padded ones on the slotted engine --, max distinct patches and max wait; rows of similar
+length together, to cut padding on the slotted engine) -> launches it on the runner's single worker thread (the
+event loop never blocks) and, while the device runs it, launches the next one -> resolves each row's
+future. Rows whose request was cancelled (client gone, timeout) are dropped before they reach the device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.runner import Row, Runner
+from server.engine.runner import Pending, Row, Runner
+from server.engine.slots import SlotsExhaustedError
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +100,18 @@ class Batcher:
         return [i.future for i in items]
 
     # --- the actor ---------------------------------------------------------------------------------------------
+    def _tokens(self, rows: Sequence[Row]) -> int:
+        """What a batch costs against the token budget: its real tokens on the packed engine (no padding), its
+        padded ones on the slotted engine."""
+        if self.runner.packed is not None:
+            return sum(len(r.input_ids) for r in rows)
+        return len(rows) * max(len(r.input_ids) for r in rows)
+
     def _fits(self, batch: list[_Item], patches: set[str], item: _Item) -> bool:
-        longest = max(len(item.row.input_ids), *(len(i.row.input_ids) for i in batch))
         new_patch = item.row.patch is not None and item.row.key not in patches  # base rows take no slot
         return (
             len(batch) < self.max_rows
-            and longest * (len(batch) + 1) <= self.max_tokens
+            and self._tokens([i.row for i in batch] + [item.row]) <= self.max_tokens
             and (not new_patch or len(patches) < self.max_patches)
         )
 
@@ -145,28 +153,56 @@ class Batcher:
                 return batch
 
     async def _loop(self) -> None:
+        """Launch a batch; while the device runs it, launch the next one if rows are already waiting (its host work
+        overlaps the device's); then finish the older one. At most two batches are in flight."""
         loop = asyncio.get_running_loop()
+        inflight: deque[tuple[list[_Item], Pending, float]] = deque()
         while True:
-            batch = await self._collect()
-            rows = [i.row for i in batch]
-            t0 = time.perf_counter()
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.runner.run, rows)
-            except Exception as exc:  # a failed batch fails its requests, never the actor
-                log.exception("batch of %d rows failed", len(rows))
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                continue
-            for item, out in zip(batch, outputs, strict=True):
-                if not item.future.done():
-                    item.future.set_result(out)
-            if self.on_batch is not None:
-                self.on_batch(
-                    BatchStats(
-                        rows=len(rows),
-                        tasks=len({r.key for r in rows}),
-                        tokens=len(rows) * max(len(r.input_ids) for r in rows),
-                        seconds=time.perf_counter() - t0,
-                    )
+            batch = await self._collect() if not inflight else (self._select() if self._queue else [])
+            if batch:
+                t0 = time.perf_counter()
+                try:
+                    pending = await loop.run_in_executor(self._executor, self.runner.launch, [i.row for i in batch])
+                except SlotsExhaustedError as exc:
+                    if inflight:  # its slots are pinned by the batch in flight: finish that one, then retry
+                        self._queue.extendleft(reversed(batch))
+                    else:
+                        self._fail(batch, exc)
+                        continue
+                except Exception as exc:  # a failed batch fails its requests, never the actor
+                    log.exception("batch of %d rows failed", len(batch))
+                    self._fail(batch, exc)
+                    continue
+                else:
+                    inflight.append((batch, pending, t0))
+                    if len(inflight) < 2 and self.runner.asynchronous:
+                        continue
+            if inflight:
+                await self._finish(*inflight.popleft())
+
+    def _fail(self, batch: list[_Item], exc: BaseException) -> None:
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(exc)
+
+    async def _finish(self, batch: list[_Item], pending: Pending, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        rows = [i.row for i in batch]
+        try:
+            outputs = await loop.run_in_executor(self._executor, self.runner.finish, pending)
+        except Exception as exc:
+            log.exception("batch of %d rows failed", len(rows))
+            self._fail(batch, exc)
+            return
+        for item, out in zip(batch, outputs, strict=True):
+            if not item.future.done():
+                item.future.set_result(out)
+        if self.on_batch is not None:
+            self.on_batch(
+                BatchStats(
+                    rows=len(rows),
+                    tasks=len({r.key for r in rows}),
+                    tokens=self._tokens(rows),
+                    seconds=time.perf_counter() - t0,
                 )
+            )

@@ -59,15 +59,22 @@ class SlotManager:
                 self._pins[pid] += 1
                 mapping[pid] = self._slot_of[pid]
                 self.stats.hits += 1
-        for pid in wanted:
-            if pid in mapping:
-                continue
-            slot = self._take_slot()
-            self._slot_of[pid] = slot
-            self._pins[pid] += 1
-            mapping[pid] = slot
-            to_load.append((pid, slot))
-            self.stats.misses += 1
+        try:
+            for pid in wanted:
+                if pid in mapping:
+                    continue
+                slot = self._take_slot()
+                self._slot_of[pid] = slot
+                self._pins[pid] += 1
+                mapping[pid] = slot
+                to_load.append((pid, slot))
+                self.stats.misses += 1
+        except SlotsExhaustedError:  # all or nothing: the caller may retry once a batch in flight has finished
+            loaded = {pid for pid, _ in to_load}
+            for pid in loaded:
+                self.forget(pid)
+            self.release([pid for pid in mapping if pid not in loaded])
+            raise
         return mapping, to_load
 
     def forget(self, patch_id: str) -> None:

@@ -1,0 +1,387 @@
+"""The packed engine: a padding-free forward of a BERT encoder over rows of any mix of tasks.
+
+Rows are packed into one token stream ``[N, H]`` with cumulative row offsets ``cu`` (``[R + 1]``). Every linear
+layer, LayerNorm and activation then works on real tokens only; attention is the only op that mixes tokens, and
+it is restricted to each row: variable-length flash attention on CUDA in half precision, and on the CPU (or in
+float32) an exact path that pads only the attention itself.
+
+Each row's task enters as *folded bias banks* ``[slots, D]``, gathered per token by the token's slot index and
+added in the epilogue of the matrix product that precedes it (``addmm``). Besides dropping the key bias (softmax
+is shift-invariant within a row) and folding the value bias into the attention-output bias (attention weights
+sum to 1), every LayerNorm's beta is folded into what follows it: into the next query/key/value biases through
+their weights, and into the bias added before the next residual sum. That leaves four per-row vectors per layer
+(qkv, attention output, intermediate, output), plus the last LayerNorm's beta added once at the end. All folds
+are exact in real arithmetic; ``tests/test_packed.py`` checks each one against the unfolded model.
+
+Pooling (mean / cls / pooler, chosen per row) and the heads (every resident head in one padded bank) are part of
+the same forward, so a batch of any mix is one fixed sequence of device ops: CUDA graphs capture it once per
+token-count bucket (``server/engine/graphs.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+POOL_MODES = {"mean": 0, "cls": 1, "pooler": 2}
+
+
+def packed_unsupported(model: nn.Module) -> str | None:
+    """Why the packed engine cannot run ``model`` (None: it can)."""
+    config = getattr(model, "config", None)
+    if type(model).__name__ != "BertModel" or config is None:
+        return f"the packed engine covers BertModel encoders, not {type(model).__name__}"
+    if getattr(config, "position_embedding_type", "absolute") not in (None, "absolute"):
+        return f"position_embedding_type {config.position_embedding_type!r} (only absolute positions are packed)"
+    if config.hidden_act not in _ACTIVATIONS:
+        return f"activation {config.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}"
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        return "decoder / cross-attention encoders are not packed"
+    return None
+
+
+@dataclass
+class _Layer:
+    wqkv: torch.Tensor  # [3H, H]: query, key, value weights stacked
+    wo: torch.Tensor
+    g1: torch.Tensor
+    eps1: float
+    wi: torch.Tensor
+    wf: torch.Tensor
+    g2: torch.Tensor
+    eps2: float
+    names: dict[str, str]  # role -> bias parameter name
+
+
+@dataclass
+class PackedBatch:
+    """Device tensors of one packed batch. N tokens (maybe padded to a bucket), R rows (maybe padded).
+
+    Tokens past ``cu[-1]`` and rows past the real ones are padding: their ``seg`` is ``R`` (no row), so they never
+    reach a pooled vector. ``pidx``/``key_mask`` exist only for the exact (padded-attention) path."""
+
+    ids: torch.Tensor  # [N] int32
+    types: torch.Tensor  # [N]
+    pos: torch.Tensor  # [N]
+    tok_slot: torch.Tensor  # [N] the token's bank row
+    seg: torch.Tensor  # [N] the token's row, R for padding
+    cu: torch.Tensor  # [R + 1] int32 cumulative row offsets
+    row_slot: torch.Tensor  # [R]
+    row_mode: torch.Tensor  # [R] POOL_MODES value
+    max_len: int  # the longest row (flash attention's grid bound)
+    pidx: torch.Tensor | None = None  # [N] position of each token in a padded [R * max_len] layout
+    key_mask: torch.Tensor | None = None  # [R, 1, 1, max_len] bool, True for real keys
+
+
+class HeadBank:
+    """Every resident task head in two device tensors: weights ``[S, C, H]`` and biases ``[S, C]``, C the largest
+    output count so far (padded with zeros). Growing C reallocates: ``generation`` counts that, so captured graphs
+    that read the old tensors are dropped."""
+
+    def __init__(self, n_slots: int, hidden: int, device: torch.device, dtype: torch.dtype, width: int = 8) -> None:
+        self.weight = torch.zeros(n_slots, width, hidden, device=device, dtype=dtype)
+        self.bias = torch.zeros(n_slots, width, device=device, dtype=dtype)
+        self.generation = 0
+
+    @property
+    def width(self) -> int:
+        return int(self.weight.shape[1])
+
+    @torch.no_grad()
+    def write(self, slot: int, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        n_out = weight.shape[0]
+        if n_out > self.width:
+            width = max(n_out, 2 * self.width)
+            w = self.weight.new_zeros(self.weight.shape[0], width, self.weight.shape[2])
+            b = self.bias.new_zeros(self.bias.shape[0], width)
+            w[:, : self.width] = self.weight
+            b[:, : self.width] = self.bias
+            self.weight, self.bias = w, b
+            self.generation += 1
+        self.weight[slot].zero_()
+        self.bias[slot].zero_()
+        self.weight[slot, :n_out] = weight.to(self.weight.device, self.weight.dtype)
+        self.bias[slot, :n_out] = bias.to(self.bias.device, self.bias.dtype)
+
+
+class PackedBert:
+    """The frozen weights of a BertModel (shared, never copied per task) plus the folded per-slot bias banks."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_slots: int,
+        *,
+        drop_key_bias: bool = True,
+        fold_value_bias: bool = True,
+        fold_ln_bias: bool = True,
+    ) -> None:
+        reason = packed_unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
+        bert: Any = model  # a BertModel: its submodules are read by name
+        cfg = bert.config
+        self.hidden = int(cfg.hidden_size)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.head_dim = self.hidden // self.n_heads
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.drop_key_bias, self.fold_value_bias, self.fold_ln_bias = drop_key_bias, fold_value_bias, fold_ln_bias
+        emb = bert.embeddings
+        self.word: torch.Tensor = emb.word_embeddings.weight
+        self.position: torch.Tensor = emb.position_embeddings.weight
+        types = getattr(emb, "token_type_embeddings", None)
+        self.token_type: torch.Tensor | None = types.weight if types is not None else None
+        self.emb_g: torch.Tensor = emb.LayerNorm.weight
+        self.emb_eps = float(emb.LayerNorm.eps)
+        self.layers: list[_Layer] = []
+        for i, layer in enumerate(bert.encoder.layer):
+            att, p = layer.attention, f"encoder.layer.{i}."
+            self.layers.append(
+                _Layer(
+                    wqkv=torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight]).contiguous(),
+                    wo=att.output.dense.weight,
+                    g1=att.output.LayerNorm.weight,
+                    eps1=float(att.output.LayerNorm.eps),
+                    wi=layer.intermediate.dense.weight,
+                    wf=layer.output.dense.weight,
+                    g2=layer.output.LayerNorm.weight,
+                    eps2=float(layer.output.LayerNorm.eps),
+                    names={
+                        "q": p + "attention.self.query.bias",
+                        "k": p + "attention.self.key.bias",
+                        "v": p + "attention.self.value.bias",
+                        "o": p + "attention.output.dense.bias",
+                        "ln1": p + "attention.output.LayerNorm.bias",
+                        "i": p + "intermediate.dense.bias",
+                        "f": p + "output.dense.bias",
+                        "ln2": p + "output.LayerNorm.bias",
+                    },
+                )
+            )
+        pooler = getattr(bert, "pooler", None)
+        self.pooler_w: torch.Tensor | None = pooler.dense.weight if pooler is not None else None
+        self.device, self.dtype = self.word.device, self.word.dtype
+        #: every bias of the encoder at its base value, float32 (what a task that does not train it gets)
+        self.base = {n: p.detach().float().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
+        base = self.bank_values({})  # every slot starts as the base encoder
+        self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}
+
+    # --- banks ---------------------------------------------------------------------------------------------------
+    def bank_values(self, biases: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One task's folded bank rows (float32), from its biases (base values where it has none)."""
+
+        def get(name: str) -> torch.Tensor:
+            value = biases.get(name)
+            return self.base[name] if value is None else value.to(self.device, torch.float32)
+
+        def mv(weight: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+            return weight.float() @ vec
+
+        h = self.hidden
+        vals: dict[str, torch.Tensor] = {}
+        carry = get("embeddings.LayerNorm.bias")  # the beta of the LayerNorm in front, not yet added
+        if not self.fold_ln_bias:
+            vals["emb_ln"] = carry
+            carry = torch.zeros_like(carry)
+        for i, layer in enumerate(self.layers):
+            n = layer.names
+            bq = get(n["q"]) + mv(layer.wqkv[:h], carry)
+            bk = get(n["k"]) + mv(layer.wqkv[h : 2 * h], carry)
+            bv = get(n["v"]) + mv(layer.wqkv[2 * h :], carry)
+            bo = get(n["o"]) + carry  # the residual stream carries the normalised value without its beta
+            if self.drop_key_bias:
+                bk = torch.zeros_like(bk)
+            if self.fold_value_bias:
+                bo = bo + mv(layer.wo, bv)
+                bv = torch.zeros_like(bv)
+            vals[f"{i}.qkv"], vals[f"{i}.o"] = torch.cat([bq, bk, bv]), bo
+            b1 = get(n["ln1"])
+            if self.fold_ln_bias:
+                vals[f"{i}.i"] = get(n["i"]) + mv(layer.wi, b1)
+                vals[f"{i}.f"] = get(n["f"]) + b1
+            else:
+                vals[f"{i}.ln1"], vals[f"{i}.i"], vals[f"{i}.f"] = b1, get(n["i"]), get(n["f"])
+            carry = get(n["ln2"])
+            if not self.fold_ln_bias:
+                vals[f"{i}.ln2"] = carry
+                carry = torch.zeros_like(carry)
+        if self.fold_ln_bias:
+            vals["out"] = carry
+        if self.pooler_w is not None:
+            vals["pooler"] = get("pooler.dense.bias")
+        return vals
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, biases: Mapping[str, torch.Tensor]) -> None:
+        for k, v in self.bank_values(biases).items():
+            self.banks[k][slot].copy_(v)
+
+    @property
+    def vectors_per_layer(self) -> int:
+        """Per-row bias vectors added in each layer (the cost a patch adds)."""
+        return sum(1 for k in self.banks if k.startswith("0."))
+
+    # --- forward -------------------------------------------------------------------------------------------------
+    def encode(self, b: PackedBatch, attention: str) -> torch.Tensor:
+        """Final token states ``[N, H]``, float32 (the last LayerNorm, its beta, pooling and heads run in float32,
+        so half precision rounds them once less than the plain model does); padding tokens hold anything."""
+        h = self.hidden
+        x = F.embedding(b.ids, self.word) + F.embedding(b.pos, self.position)
+        if self.token_type is not None:
+            x = x + F.embedding(b.types, self.token_type)
+        x = F.layer_norm(x, (h,), self.emb_g, None, self.emb_eps)
+        banks, slot = self.banks, b.tok_slot
+        if "emb_ln" in banks:
+            x = x + banks["emb_ln"].index_select(0, slot)
+        for i, layer in enumerate(self.layers):
+            qkv = torch.addmm(banks[f"{i}.qkv"].index_select(0, slot), x, layer.wqkv.t())
+            ctx = self._attend(qkv, b, attention)
+            y = torch.addmm(banks[f"{i}.o"].index_select(0, slot), ctx, layer.wo.t())
+            x = F.layer_norm(y + x, (h,), layer.g1, None, layer.eps1)
+            if f"{i}.ln1" in banks:
+                x = x + banks[f"{i}.ln1"].index_select(0, slot)
+            y = self.act(torch.addmm(banks[f"{i}.i"].index_select(0, slot), x, layer.wi.t()))
+            y = torch.addmm(banks[f"{i}.f"].index_select(0, slot), y, layer.wf.t())
+            if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
+                y, x = y.float(), x.float()
+            x = F.layer_norm(y + x, (h,), layer.g2.to(x.dtype), None, layer.eps2)
+            if f"{i}.ln2" in banks:
+                x = x + banks[f"{i}.ln2"].index_select(0, slot)
+        if "out" in banks:
+            x = x + banks["out"].index_select(0, slot)
+        return x
+
+    def _attend(self, qkv: torch.Tensor, b: PackedBatch, attention: str) -> torch.Tensor:
+        n, nh, d = qkv.shape[0], self.n_heads, self.head_dim
+        if attention == "flash":
+            q, k, v = qkv.view(n, 3, nh, d).unbind(1)
+            out = torch.ops.aten._flash_attention_forward(
+                q, k, v, b.cu, b.cu, b.max_len, b.max_len, 0.0, False, False, scale=1.0 / math.sqrt(d)
+            )[0]
+            return out.reshape(n, self.hidden)
+        # exact path: pad only the attention, [R, heads, T, d], keys masked per row
+        assert b.pidx is not None and b.key_mask is not None
+        r, t = b.key_mask.shape[0], b.key_mask.shape[-1]
+        padded = qkv.new_zeros(r * t, 3 * self.hidden).index_copy_(0, b.pidx, qkv)
+        q, k, v = padded.view(r, t, 3, nh, d).permute(2, 0, 3, 1, 4).unbind(0)  # each [R, heads, T, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.key_mask)
+        return out.transpose(1, 2).reshape(r * t, self.hidden).index_select(0, b.pidx)
+
+    def pool(self, x: torch.Tensor, b: PackedBatch, heads: HeadBank) -> torch.Tensor:
+        """``[R, H + C]``: each row's pooled vector (its own pooling mode) and its head's logits (zero-padded)."""
+        r = b.row_slot.shape[0]
+        # padding tokens (seg == R) may hold anything, NaN included (flash attention never writes them): zero them,
+        # since 0 * NaN would reach every row through the pooling product
+        x = torch.where((b.seg < r).unsqueeze(1), x, 0.0)
+        if x.is_cuda:  # a one-hot matmul: deterministic, accumulated in float32 by the GEMM
+            onehot = (b.seg.unsqueeze(0) == torch.arange(r, device=x.device, dtype=b.seg.dtype).unsqueeze(1)).to(
+                x.dtype
+            )
+            total = onehot @ x
+        else:
+            total = x.new_zeros(r, self.hidden).index_add_(0, b.seg, x)
+        lengths = (b.cu[1:] - b.cu[:-1]).clamp(min=1).to(x.dtype).unsqueeze(1)
+        starts = b.cu[:-1].clamp(max=x.shape[0] - 1)
+        cls = x.index_select(0, starts)
+        mode = b.row_mode.unsqueeze(1)
+        pooled = torch.where(mode == POOL_MODES["mean"], total / lengths, cls)
+        if self.pooler_w is not None:
+            bias = self.banks["pooler"].index_select(0, b.row_slot).to(x.dtype)
+            pooler = torch.tanh(torch.addmm(bias, cls, self.pooler_w.t().to(x.dtype)))
+            pooled = torch.where(mode == POOL_MODES["pooler"], pooler, pooled)
+        w = heads.weight.index_select(0, b.row_slot).to(x.dtype)  # [R, C, H]
+        hb = heads.bias.index_select(0, b.row_slot).to(x.dtype)  # [R, C]
+        logits = torch.baddbmm(hb.unsqueeze(2), w, pooled.unsqueeze(2)).squeeze(2)
+        return torch.cat([pooled, logits], dim=1)
+
+    @staticmethod
+    def tag(x: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, heads: HeadBank) -> torch.Tensor:
+        """Per-token logits ``[M, C]`` of the tagging rows' tokens (``tokens`` index x; ``slots`` their heads)."""
+        w = heads.weight.index_select(0, slots).to(x.dtype)  # [M, C, H]
+        hb = heads.bias.index_select(0, slots).to(x.dtype)
+        return torch.baddbmm(hb.unsqueeze(2), w, x.index_select(0, tokens).unsqueeze(2)).squeeze(2)
+
+
+# --- host side: one flat int32 array per batch -------------------------------------------------------------------
+def layout_size(n_tokens: int, n_rows: int) -> int:
+    """Length of the flat int32 layout ``[ids | types | pos | tok_slot | seg] x N, cu [R + 1], row_slot, row_mode``."""
+    return 5 * n_tokens + 3 * n_rows + 1
+
+
+def fill_layout(
+    out: np.ndarray,
+    ids: list[list[int]],
+    types: list[list[int]],
+    row_slots: list[int],
+    row_modes: list[int],
+    n_tokens: int,
+    n_rows: int,
+    fill_slot: int,
+) -> int:
+    """Write a batch into ``out`` (int32, at least ``layout_size``) for an N-token, R-row layout; padding tokens
+    and rows get ``fill_slot`` and no row. Returns the number of real tokens."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    real = int(lengths.sum())
+    b = len(ids)
+    if real > n_tokens or b > n_rows:
+        raise ValueError(f"{real} tokens in {b} rows do not fit a layout of {n_tokens} tokens, {n_rows} rows")
+    n = n_tokens
+    out[: layout_size(n, n_rows)] = 0
+    out[0:real] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=real)
+    out[n : n + real] = np.fromiter(itertools.chain.from_iterable(types), dtype=np.int32, count=real)
+    starts = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    out[2 * n : 2 * n + real] = np.arange(real) - np.repeat(starts[:-1], lengths)
+    out[3 * n : 3 * n + real] = np.repeat(np.asarray(row_slots, dtype=np.int32), lengths)
+    out[3 * n + real : 4 * n] = fill_slot
+    out[4 * n : 4 * n + real] = np.repeat(np.arange(b, dtype=np.int32), lengths)
+    out[4 * n + real : 5 * n] = n_rows  # no row
+    cu = 5 * n
+    out[cu : cu + b + 1] = starts
+    out[cu + b + 1 : cu + n_rows + 1] = real
+    out[cu + n_rows + 1 : cu + n_rows + 1 + b] = row_slots
+    out[cu + n_rows + 1 + b : cu + 2 * n_rows + 1] = fill_slot
+    out[cu + 2 * n_rows + 1 : cu + 2 * n_rows + 1 + b] = row_modes
+    return real
+
+
+def batch_views(flat: torch.Tensor, n_tokens: int, n_rows: int, max_len: int) -> PackedBatch:
+    """A PackedBatch whose tensors are views of a flat int32 layout (on the device)."""
+    n, r = n_tokens, n_rows
+    cu = 5 * n
+    return PackedBatch(
+        ids=flat[0:n],
+        types=flat[n : 2 * n],
+        pos=flat[2 * n : 3 * n],
+        tok_slot=flat[3 * n : 4 * n],
+        seg=flat[4 * n : 5 * n],
+        cu=flat[cu : cu + r + 1],
+        row_slot=flat[cu + r + 1 : cu + 2 * r + 1],
+        row_mode=flat[cu + 2 * r + 1 : cu + 3 * r + 1],
+        max_len=max_len,
+    )
+
+
+def add_exact_attention(b: PackedBatch, lengths: list[int]) -> None:
+    """Give ``b`` what the exact (padded-attention) path needs: each token's padded position and the key mask."""
+    t = max(lengths)
+    b.max_len = t
+    b.pidx = (b.seg.long() * t + b.pos.long())[: sum(lengths)]
+    lens = torch.tensor(lengths, device=b.ids.device)
+    b.key_mask = (torch.arange(t, device=b.ids.device).unsqueeze(0) < lens.unsqueeze(1)).view(len(lengths), 1, 1, t)
