@@ -164,7 +164,7 @@ def _schedule(total: int, warmup: int) -> Callable[[int], float]:
     return factor
 
 
-def _trainable(model: TaskModel, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+def trainable_parameters(model: TaskModel, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(encoder parameters to train, head parameters); nothing else keeps ``requires_grad``."""
     model.requires_grad_(False)
     if config.full:
@@ -208,7 +208,7 @@ def _run(
     model = TaskModel(copy.deepcopy(encoder.model), nn.Linear(encoder.hidden_size, n_out), kind, pooling).to(device)
     if config.dropout is not None:
         _set_dropout(model.encoder, config.dropout)
-    encoder_params, head_params = _trainable(model, config)
+    encoder_params, head_params = trainable_parameters(model, config)
     params = encoder_params + head_params
     head_lr = config.head_lr or lr
     groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
