@@ -380,8 +380,7 @@ def batch_views(flat: torch.Tensor, n_tokens: int, n_rows: int, max_len: int) ->
 
 def add_exact_attention(b: PackedBatch, lengths: list[int]) -> None:
     """Give ``b`` what the exact (padded-attention) path needs: each token's padded position and the key mask."""
-    t = max(lengths)
-    b.max_len = t
+    t = b.max_len  # the longest row
     b.pidx = (b.seg.long() * t + b.pos.long())[: sum(lengths)]
     lens = torch.tensor(lengths, device=b.ids.device)
     b.key_mask = (torch.arange(t, device=b.ids.device).unsqueeze(0) < lens.unsqueeze(1)).view(len(lengths), 1, 1, t)

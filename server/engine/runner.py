@@ -62,6 +62,11 @@ class Row:
         """Which biases the row runs with: its patch id, or BASE_KEY."""
         return BASE_KEY if self.patch is None else self.patch.patch_id
 
+    @property
+    def tags(self) -> bool:
+        """True when the row's answer is per-token logits (a tagging patch asked for logits)."""
+        return self.output == "logits" and self.patch is not None and self.patch.meta.kind == "token-classification"
+
 
 @dataclass
 class Pending:
@@ -154,8 +159,7 @@ class Runner:
                 try:
                     self.graphs.warm()
                 except RuntimeError as exc:
-                    log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)
-                    self.graphs = None
+                    self._drop_graphs(exc)
             elif self.device.type == "cuda":
                 log.info(
                     "runner: no CUDA graphs (%s)",
@@ -173,6 +177,10 @@ class Runner:
                 model, n_slots + 1, drop_key_bias=drop_key_bias, fold_value_bias=fold_value_bias
             )
         log.info("runner: %s on %s (%s), %d slots", encoder.name, self.device, self.dtype, n_slots)
+
+    def _drop_graphs(self, exc: Exception) -> None:
+        log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)
+        self.graphs = None
 
     @property
     def asynchronous(self) -> bool:
@@ -246,8 +254,7 @@ class Runner:
             try:
                 graphed = self.graphs.run(bucket, staging)
             except RuntimeError as exc:  # a capture this torch/driver cannot do: serve eagerly from now on
-                log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)
-                self.graphs = None
+                self._drop_graphs(exc)
         if graphed is not None:
             hidden, pooled = graphed
         else:
@@ -259,11 +266,7 @@ class Runner:
             hidden = self.packed.encode(batch, self.attention)
             pooled = self.packed.pool(hidden, batch, self.head_bank)
         pooled = pooled[:n_rows]
-        tagging = [
-            i
-            for i, r in enumerate(rows)
-            if r.output == "logits" and r.patch is not None and r.patch.meta.kind == "token-classification"
-        ]
+        tagging = [i for i, r in enumerate(rows) if r.tags]
         parts = [pooled.flatten()]
         if tagging:  # per-token logits of the tagging rows only, from the same bank of heads
             starts = [0, *itertools.accumulate(lengths)]
@@ -290,7 +293,7 @@ class Runner:
         for i, r in enumerate(rows):
             if r.output == "embedding" or r.patch is None:
                 results.append(table[i, :h].clone())
-            elif r.patch.meta.kind == "token-classification":
+            elif r.tags:
                 n_out, k = r.patch.head_weight.shape[0], len(r.input_ids)
                 block = host[tag_at : tag_at + k * tag_width].view(k, tag_width)
                 results.append(block[:, :n_out].clone())
@@ -323,7 +326,7 @@ class Runner:
         for (slot, output), members in groups.items():
             patch = rows[members[0]].patch
             sel = torch.tensor(members, device=self.device)
-            if output == "logits" and patch is not None and patch.meta.kind == "token-classification":
+            if rows[members[0]].tags:
                 w, b = self.heads[slot]
                 logits = torch.nn.functional.linear(hidden.index_select(0, sel), w, b)  # [n, T, C]
                 for j, i in enumerate(members):
