@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import sentences  # noqa: E402
 from patches.bitfit import apply_biases, base_biases  # noqa: E402
 from patches.encoder import Encoder, load_encoder  # noqa: E402
 from patches.format import Patch  # noqa: E402
@@ -46,20 +47,6 @@ from tests.helpers import make_patch  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"
 PATHS = ("plain", "naive", "engine")
-
-
-def sentences(data: Path, seed: int) -> list[str]:
-    """Every dev sentence of the shared sets (text, or a tagging set's tokens joined), shuffled."""
-    texts: list[str] = []
-    for f in sorted(data.glob("*/dev.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                texts.append(row["text"] if "text" in row else " ".join(row["tokens"]))
-    if not texts:
-        raise SystemExit(f"no */dev.jsonl under {data}: pass --data with the shared evaluation sets")
-    random.Random(seed).shuffle(texts)
-    return texts
 
 
 class Paths:

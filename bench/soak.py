@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import sentences
+from bench.common import DATA, percentile, sentences
 from patches.encoder import load_encoder
 from patches.format import Patch
 from tests.helpers import free_port, make_patch, patchserve_process, start_redis, wait_ready
@@ -50,13 +50,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -291,7 +284,7 @@ def main() -> None:
     one = make_patch(encoder, "big", seed=99, scale=0.05)  # a task that reads 512 tokens: the most work allowed
     big = Patch(replace(one.meta, max_seq_length=512), one.biases, one.head_weight, one.head_bias).data
     del encoder
-    texts = sentences(2000, args.seed)
+    texts = sentences(DATA, args.seed)
     workdir = Path(__import__("tempfile").mkdtemp(prefix="soak-"))
     redis_proc, redis_url = start_redis(workdir)
     port = free_port()

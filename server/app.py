@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -185,6 +186,10 @@ def create_app(
             on_fetch=metrics.patch_load.labels(source="registry").observe,
         )
         await asyncio.to_thread(catalog.start)
+        if settings.preload:
+            t0 = time.perf_counter()
+            loaded = await asyncio.to_thread(runner.preload, catalog.recent_patches())
+            log.info("preloaded %d of %d tasks in %.1f s", loaded, len(catalog.current), time.perf_counter() - t0)
         batcher.start()
         queue_url = settings.queue or (settings.registry if settings.registry.startswith("redis") else None)
         queue = JobQueue(queue_url) if queue_url else None

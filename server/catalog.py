@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from patches.errors import PatchServeError
 from patches.format import BaseSpec, Patch
@@ -95,6 +95,15 @@ class Catalog:
             if self.on_fetch is not None:
                 self.on_fetch(time.perf_counter() - t0)
         return info, patch
+
+    def recent_patches(self) -> Iterator[Patch]:
+        """The current patch of every task, most recently registered first, fetched one at a time (what a preload
+        fills the slots with). A patch that cannot be read or does not fit this encoder is logged and skipped."""
+        for info in sorted(self.current.values(), key=lambda i: (i.registered_at, i.task), reverse=True):
+            try:
+                yield self.resolve(info.task, info.version)[1]
+            except PatchServeError as exc:
+                log.warning("preload: skipping %s v%d: %s", info.task, info.version, exc)
 
     # --- writes (this replica sees its own writes at once) ------------------------------------------------------
     def register(self, patch: Patch) -> VersionInfo:

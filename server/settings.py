@@ -44,6 +44,12 @@ class ServerSettings(BaseSettings):
         description="Tasks resident on the device at once; more are swapped in LRU. Default: 256 on CPU, "
         "sized from free memory on GPU.",
     )
+    preload: bool = Field(
+        False,
+        description="At start-up, load the current version of every registered task into a device slot (the most "
+        "recently registered first, as many as there are slots), so that the first requests after a (re)start find "
+        "their task resident. Readiness waits for it.",
+    )
     max_batch_rows: int = Field(32, ge=1, description="Most inputs (of any tasks) run in one forward pass.")
     max_batch_tokens: int = Field(
         8192,

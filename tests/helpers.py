@@ -91,15 +91,16 @@ def tiny_bert_config(**overrides: object) -> BertConfig:
     return BertConfig(**cfg)
 
 
-def make_tiny_bert_folder(folder: Path, seed: int = 0) -> Path:
-    """A random BERT (2 layers, hidden 32) with a real WordPiece tokenizer, saved as an HF folder."""
+def make_tiny_bert_folder(folder: Path, seed: int = 0, **config: object) -> Path:
+    """A random BERT (2 layers, hidden 32, or what ``config`` overrides) with a real WordPiece tokenizer over the
+    tiny vocabulary, saved as an HF folder."""
     folder.mkdir(parents=True, exist_ok=True)
     vocab = tiny_vocab()
     tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(vocab)}, do_lower_case=True)
     assert tokenizer.tokenize("the good movie") == ["the", "good", "movie"], "tokenizer lost its vocabulary"
     tokenizer.save_pretrained(folder)
     torch.manual_seed(seed)
-    model = BertModel(tiny_bert_config())
+    model = BertModel(tiny_bert_config(**config))
     with torch.no_grad():  # make biases non-zero so that dropping/folding them is really exercised
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -118,8 +119,10 @@ def make_patch(
     pooling: str = "mean",
     seed: int = 1,
     scale: float = 0.5,
+    head_scale: float = 1.0,
 ) -> Patch:
-    """A patch whose biases are the base values moved by seeded noise, with a seeded random head."""
+    """A patch whose biases are the base values moved by seeded noise, with a seeded random head (its weights
+    times ``head_scale``: below 1, class scores stay away from 0 and 1)."""
     gen = torch.Generator().manual_seed(seed)
     if labels is None:
         labels = {
@@ -143,7 +146,7 @@ def make_patch(
     return Patch(
         meta=meta,
         biases=biases,
-        head_weight=torch.randn(n_out, encoder.hidden_size, generator=gen),
+        head_weight=head_scale * torch.randn(n_out, encoder.hidden_size, generator=gen),
         head_bias=torch.randn(n_out, generator=gen),
     )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,19 +179,23 @@ class PackedBert:
         self.device, self.dtype = self.word.device, self.word.dtype
         #: every bias of the encoder at its base value, float32 (what a task that does not train it gets)
         self.base = {n: p.detach().float().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
-        base = self.bank_values({})  # every slot starts as the base encoder
+        base = self.bank_values([{}])  # every slot starts as the base encoder
         self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}
 
     # --- banks ---------------------------------------------------------------------------------------------------
-    def bank_values(self, biases: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One task's folded bank rows (float32), from its biases (base values where it has none)."""
+    def bank_values(self, tasks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Folded bank rows ``[K, D]`` (float32) of K tasks, from their biases (base values where a task has none).
 
-        def get(name: str) -> torch.Tensor:
-            value = biases.get(name)
-            return self.base[name] if value is None else value.to(self.device, torch.float32)
+        The K tasks fold together: each fold through a weight is one ``[K, in] @ [in, out]`` product, so loading
+        many patches at once (a cold batch, a preload) costs a few matrix products, not K matrix-vector ones."""
 
-        def mv(weight: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-            return weight.float() @ vec
+        def get(name: str) -> torch.Tensor:  # [K, D]
+            base = self.base[name]
+            values = [t.get(name) for t in tasks]
+            return torch.stack([base if v is None else v.to(self.device, torch.float32) for v in values])
+
+        def mv(weight: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:  # [K, in] -> [K, out]: vecs @ W.T
+            return vecs @ weight.float().t()
 
         h = self.hidden
         vals: dict[str, torch.Tensor] = {}
@@ -201,16 +205,17 @@ class PackedBert:
             carry = torch.zeros_like(carry)
         for i, layer in enumerate(self.layers):
             n = layer.names
-            bq = get(n["q"]) + mv(layer.wqkv[:h], carry)
-            bk = get(n["k"]) + mv(layer.wqkv[h : 2 * h], carry)
-            bv = get(n["v"]) + mv(layer.wqkv[2 * h :], carry)
+            folded = mv(layer.wqkv, carry)  # [K, 3H]: the carried beta through the query, key and value weights
+            bq = get(n["q"]) + folded[:, :h]
+            bk = get(n["k"]) + folded[:, h : 2 * h]
+            bv = get(n["v"]) + folded[:, 2 * h :]
             bo = get(n["o"]) + carry  # the residual stream carries the normalised value without its beta
             if self.drop_key_bias:
                 bk = torch.zeros_like(bk)
             if self.fold_value_bias:
                 bo = bo + mv(layer.wo, bv)
                 bv = torch.zeros_like(bv)
-            vals[f"{i}.qkv"], vals[f"{i}.o"] = torch.cat([bq, bk, bv]), bo
+            vals[f"{i}.qkv"], vals[f"{i}.o"] = torch.cat([bq, bk, bv], dim=1), bo
             b1 = get(n["ln1"])
             if self.fold_ln_bias:
                 vals[f"{i}.i"] = get(n["i"]) + mv(layer.wi, b1)
@@ -228,9 +233,16 @@ class PackedBert:
         return vals
 
     @torch.no_grad()
-    def write_slot(self, slot: int, biases: Mapping[str, torch.Tensor]) -> None:
-        for k, v in self.bank_values(biases).items():
-            self.banks[k][slot].copy_(v)
+    def write_slots(self, slots: Sequence[int], tasks: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Fold ``tasks``' biases and write them into bank rows ``slots`` (one per task)."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        for k, v in self.bank_values(tasks).items():
+            self.banks[k].index_copy_(0, index, v.to(self.dtype))
+
+    @property
+    def bank_bytes_per_slot(self) -> int:
+        """Device bytes one slot's bias banks take (the heads are the HeadBank's)."""
+        return sum(b[0].numel() * b.element_size() for b in self.banks.values())
 
     @property
     def vectors_per_layer(self) -> int:

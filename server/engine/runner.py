@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -178,6 +178,15 @@ class Runner:
             )
         log.info("runner: %s on %s (%s), %d slots", encoder.name, self.device, self.dtype, n_slots)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes one resident task takes: its rows of the bias banks and of the heads (the slotted engine
+        keeps each head as its own tensor, so there its bias banks alone)."""
+        if self.packed is not None:
+            heads = self.head_bank.weight[0].nbytes + self.head_bank.bias[0].nbytes
+            return self.packed.bank_bytes_per_slot + heads
+        return sum(site.bank[0].nbytes for site in self.sites.values() if site.bank is not None)
+
     def _drop_graphs(self, exc: Exception) -> None:
         log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)
         self.graphs = None
@@ -188,18 +197,46 @@ class Runner:
         GPU the packed engine's ``launch`` then returns before the device has finished."""
         return self.overlap
 
-    def _load(self, slot: int, patch: Patch) -> None:
+    def _load(self, items: Sequence[tuple[int, Patch]]) -> None:
+        """Write patches into their slots; the packed engine folds them all in one pass."""
+        if not items:
+            return
         t0 = time.perf_counter()
         if self.packed is not None:
-            self.packed.write_slot(slot, patch.biases)
-            self.head_bank.write(slot, patch.head_weight, patch.head_bias)
+            self.packed.write_slots([slot for slot, _ in items], [p.biases for _, p in items])
+            for slot, patch in items:
+                self.head_bank.write(slot, patch.head_weight, patch.head_bias)
         else:
-            write_slot(self.sites, slot, patch.biases)
-            w = patch.head_weight.to(self.device, self.dtype)
-            b = patch.head_bias.to(self.device, self.dtype)
-            self.heads[slot] = (w, b)
+            for slot, patch in items:
+                write_slot(self.sites, slot, patch.biases)
+                w = patch.head_weight.to(self.device, self.dtype)
+                b = patch.head_bias.to(self.device, self.dtype)
+                self.heads[slot] = (w, b)
         if self.on_load is not None:
-            self.on_load(time.perf_counter() - t0)
+            each = (time.perf_counter() - t0) / len(items)
+            for _ in items:
+                self.on_load(each)
+
+    @torch.inference_mode()
+    def preload(self, patches: Iterable[Patch], chunk: int = 256) -> int:
+        """Load ``patches`` into free slots before serving, ``chunk`` at a time, until they or the free slots run
+        out (nothing is evicted); returns how many slots are then in use. Call before the batcher starts (the
+        runner is single-threaded); ``patches`` may be a generator, so only a chunk is held at a time."""
+        source = iter(patches)
+        while free := self.slots.capacity - len(self.slots):
+            part = {p.patch_id: p for p in itertools.islice(source, min(chunk, free))}
+            if not part:
+                break
+            slot_of, to_load = self.slots.acquire(list(part))
+            try:
+                self._load([(slot, part[pid]) for pid, slot in to_load])
+            except BaseException:
+                for pid, _ in to_load:
+                    self.slots.forget(pid)
+                raise
+            finally:
+                self.slots.release(list(slot_of))
+        return len(self.slots)
 
     def run(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Outputs of ``rows`` (launch, then wait for them)."""
@@ -212,12 +249,12 @@ class Runner:
         patches = {r.patch.patch_id: r.patch for r in rows if r.patch is not None}
         slot_of, to_load = self.slots.acquire(list(patches))
         try:
-            for pid, slot in to_load:
-                try:
-                    self._load(slot, patches[pid])
-                except BaseException:
+            try:
+                self._load([(slot, patches[pid]) for pid, slot in to_load])
+            except BaseException:
+                for pid, _ in to_load:
                     self.slots.forget(pid)
-                    raise
+                raise
             slot_of = slot_of | {BASE_KEY: self.base_slot}
             if self.packed is not None:
                 return self._launch_packed(rows, slot_of, list(patches))

@@ -1,0 +1,270 @@
+"""Hot swap across replicas: how soon a version registered on one replica is served by another, and what a
+registration every second costs the predictions around it.
+
+    python bench/swap.py --quick      # Redis: 50 swaps, 2 x 10 s load each way; last line: JSON
+    python bench/swap.py              # Redis and disk: 200 swaps, 3 x 20 s each way -> docs/benchmarks/swap.*
+
+Per registry (a throwaway redis-server, or one disk folder): two real `patchserve serve` processes, A and B, share
+it (default encoder, CPU). Each swap POSTs a new patch of task ``swap`` (new content every time, so B must fetch
+and load it) to A; from the moment A answers 201, two clients ask B to predict for that task back to back until an
+answer carries the new version. The swap time is that answer's arrival minus A's 201: the registry's change
+notice, B's fetch and slot load, and one predict round trip on B (its floor: B's predict latency, reported).
+
+Then the cost of swapping under traffic: wrk keeps --concurrency connections predicting on B over 8 tasks, with and
+without one registration per second on A (a new version of one of those 8 tasks each time), in alternating phases;
+the ratio is the median p99 with registrations over the median p99 without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import DATA, OUT, fill_registry, machine, percentile, pyplot, run_wrk, sentences, wrk_script
+from patches.encoder import load_encoder
+from tests.helpers import free_port, make_patch, patchserve_process, start_redis, wait_ready
+
+TRAFFIC_TASKS = 8
+
+
+def upload(client: httpx.AsyncClient, data: bytes) -> Any:
+    return client.post("/tasks", files={"patch": ("p.safetensors", data)}, timeout=60)
+
+
+async def first_answer(client: httpx.AsyncClient, version: int, text: str, polls: list[float]) -> float:
+    """Two clients predict for ``swap`` back to back; when the first answer carrying ``version`` arrived."""
+    seen = asyncio.Event()
+    arrived: list[float] = []
+
+    async def poll() -> None:
+        while not seen.is_set():
+            s = time.perf_counter()
+            p = await client.post("/tasks/swap/predict", json={"inputs": [text]}, timeout=60)
+            now = time.perf_counter()
+            polls.append((now - s) * 1000)
+            if p.status_code == 200 and p.json()["version"] >= version:
+                arrived.append(now)
+                seen.set()
+
+    await asyncio.wait_for(asyncio.gather(poll(), poll()), timeout=60)
+    return min(arrived)
+
+
+async def swaps(a: str, b: str, patches: list[bytes], text: str) -> tuple[list[float], list[float]]:
+    """Swap times (ms) and B's predict latencies (ms) while polling."""
+    times: list[float] = []
+    polls: list[float] = []
+    async with httpx.AsyncClient(base_url=a) as ca, httpx.AsyncClient(base_url=b) as cb:
+        for data in patches:
+            r = await upload(ca, data)
+            t0 = time.perf_counter()
+            assert r.status_code == 201, r.text
+            times.append((await first_answer(cb, r.json()["version"], text, polls) - t0) * 1000)
+            await asyncio.sleep(0.1)
+    return times, polls
+
+
+async def registering(a: str, patches: list[bytes], stop: asyncio.Event) -> int:
+    """One registration per second on A until ``stop``; returns how many were answered 201."""
+    ok = 0
+    async with httpx.AsyncClient(base_url=a) as ca:
+        for data in patches:
+            t0 = time.perf_counter()
+            if (await upload(ca, data)).status_code == 201:
+                ok += 1
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, 1.0 - (time.perf_counter() - t0)))
+                return ok
+            except TimeoutError:
+                continue
+    return ok
+
+
+async def load_phase(b: str, script: Path, args: argparse.Namespace, a: str | None, patches: list[bytes]) -> dict:
+    stop = asyncio.Event()
+    reg = asyncio.create_task(registering(a, patches, stop)) if a else None
+    load = await asyncio.to_thread(run_wrk, b, script, args.concurrency, args.phase_seconds)
+    stop.set()
+    load["registrations"] = await reg if reg else 0
+    return load
+
+
+def backend_run(name: str, url: str, args: argparse.Namespace, work: Path, encoder: Any, texts: list[str]) -> dict:
+    traffic = [make_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(TRAFFIC_TASKS)]
+    fill_registry(url, [*traffic, make_patch(encoder, "swap", seed=10_000, scale=0.05)])
+    seed = iter(range(20_000, 10**9))
+    swap_patches = [make_patch(encoder, "swap", seed=next(seed), scale=0.05).data for _ in range(args.swaps)]
+    n_regs = int(args.phase_seconds * args.repeats) + 2
+    reg_patches = [
+        make_patch(encoder, f"task{i % TRAFFIC_TASKS}", seed=next(seed), scale=0.05).data for i in range(n_regs)
+    ]
+    rng = random.Random(args.seed)
+    script = wrk_script(
+        work / f"{name}.lua",
+        [(f"/tasks/task{rng.randrange(TRAFFIC_TASKS)}/predict", {"inputs": [rng.choice(texts)]}) for _ in range(2000)],
+    )
+    bases = []
+    with ExitStack() as stack:
+        for replica in ("a", "b"):
+            port = free_port()
+            serve = ["serve", "--port", str(port), "--device", "cpu", "--registry", url, "--model", args.model]
+            stack.enter_context(patchserve_process(serve, {}, work / f"{name}-{replica}.log"))
+            bases.append(f"http://127.0.0.1:{port}")
+        for base in bases:
+            wait_ready(base)
+        a, b = bases
+        run_wrk(b, script, args.concurrency, 2)  # warm every traffic task on B
+        print(f"{name}: {args.swaps} swaps", file=sys.stderr)
+        times, polls = asyncio.run(swaps(a, b, swap_patches, texts[0]))
+        phases: dict[str, list[dict]] = {"without": [], "with": []}
+        for rep in range(args.repeats):
+            for mode in ("without", "with") if rep % 2 == 0 else ("with", "without"):
+                mine = reg_patches[: int(args.phase_seconds) + 1] if mode == "with" else []
+                reg_patches = reg_patches[len(mine) :]
+                r = asyncio.run(load_phase(b, script, args, a if mode == "with" else None, mine))
+                print(f"{name} {mode} registrations: {json.dumps(r)}", file=sys.stderr)
+                phases[mode].append(r)
+    p99 = {m: statistics.median(r["p99_ms"] for r in rs) for m, rs in phases.items()}
+    return {
+        "kind": "backend",
+        "backend": name,
+        "swaps": len(times),
+        "swap_p50_ms": round(percentile(times, 0.5), 1),
+        "swap_p95_ms": round(percentile(times, 0.95), 1),
+        "swap_p99_ms": round(percentile(times, 0.99), 1),
+        "swap_max_ms": round(max(times), 1),
+        "poll_p50_ms": round(percentile(polls, 0.5), 1),
+        "p99_without_ms": round(p99["without"], 1),
+        "p99_with_ms": round(p99["with"], 1),
+        "p99_ratio_with_swaps": round(p99["with"] / p99["without"], 3),
+        "p50_without_ms": round(statistics.median(r["p50_ms"] for r in phases["without"]), 1),
+        "p50_with_ms": round(statistics.median(r["p50_ms"] for r in phases["with"]), 1),
+        "rps_without": round(statistics.median(r["rps"] for r in phases["without"]), 1),
+        "rps_with": round(statistics.median(r["rps"] for r in phases["with"]), 1),
+        "failed": sum(r["errors"] for rs in phases.values() for r in rs),
+        "registrations": sum(r["registrations"] for r in phases["with"]),
+        "times_ms": [round(t, 2) for t in times],
+    }
+
+
+def render(jsonl: Path) -> None:
+    lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
+    meta = next(x for x in reversed(lines) if x["kind"] == "meta")
+    rows = [x for x in lines if x["kind"] == "backend" and x["run"] == meta["run"]]
+    md = [
+        "# Hot swap across replicas",
+        "",
+        f"Written by `{meta['command']}` on {meta['machine']}, {meta['date']} (torch {meta['torch']}, commit "
+        f"{meta['commit']}). Two `patchserve serve` processes (A, B) on one registry, default encoder on the CPU; "
+        f"the load generator (wrk) and both servers share the machine's cores.",
+        "",
+        "swap = A answers 201 to POST /tasks -> the first prediction from B that carries the new version (includes "
+        "one predict round trip on B: 'B predict p50' is that floor). p99 with / without = predict p99 on B under "
+        f"wrk at concurrency {meta['concurrency']} over {TRAFFIC_TASKS} tasks, with one registration per second on A "
+        f"(of those tasks) or none; {meta['phase_seconds']:g} s phases, alternating, medians of {meta['repeats']}.",
+        "",
+        "Goals (issue 15): swap p99 < 100 ms on Redis; predict p99 with a registration every second <= 1.2x without.",
+        "",
+        "| registry | swaps | swap p50 ms | p95 | p99 | max | B predict p50 ms | predict p99 without ms | with | ratio "
+        "| req/s without | with | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        md.append(
+            f"| {r['backend']} | {r['swaps']} | {r['swap_p50_ms']} | {r['swap_p95_ms']} | **{r['swap_p99_ms']}** | "
+            f"{r['swap_max_ms']} | {r['poll_p50_ms']} | {r['p99_without_ms']} | {r['p99_with_ms']} | "
+            f"**{r['p99_ratio_with_swaps']:.2f}x** | {r['rps_without']} | {r['rps_with']} | {r['failed']} |"
+        )
+    md += ["", *meta.get("notes", [])]
+    (jsonl.parent / "swap.md").write_text("\n".join(md) + "\n")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for r in rows:
+        ts = sorted(r["times_ms"])
+        left.plot(ts, [(i + 1) / len(ts) for i in range(len(ts))], label=r["backend"])
+    left.axvline(100, color="grey", ls="--", lw=1)
+    left.set(xlabel="swap time (ms)", ylabel="fraction of swaps", title="A's 201 -> B serves the new version")
+    left.legend()
+    xs = range(len(rows))
+    right.bar([x - 0.2 for x in xs], [r["p99_without_ms"] for r in rows], width=0.4, label="no registrations")
+    right.bar([x + 0.2 for x in xs], [r["p99_with_ms"] for r in rows], width=0.4, label="1 registration/s")
+    right.set_xticks(list(xs), [r["backend"] for r in rows])
+    right.set(ylabel="predict p99 on B (ms)", title="predictions around registrations")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(jsonl.parent / "swap.png", dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="Redis only, 50 swaps, 2 x 10 s phases; prints JSON")
+    ap.add_argument("--backends", default="redis,disk", help="registries to run (redis, disk)")
+    ap.add_argument("--swaps", type=int, default=200)
+    ap.add_argument("--phase-seconds", type=float, default=20.0, help="length of each load phase")
+    ap.add_argument("--repeats", type=int, default=3, help="load phases each way")
+    ap.add_argument("--concurrency", type=int, default=8, help="wrk connections predicting on B")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT / "swap.jsonl", help="JSON lines of full runs (appended)")
+    ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from --out")
+    args = ap.parse_args()
+    if args.render:
+        render(args.out)
+        return
+    if args.quick:
+        args.backends, args.swaps, args.phase_seconds, args.repeats = "redis", 50, 10.0, 2
+    texts = sentences(args.data, args.seed)
+    encoder = load_encoder(args.model)
+    work = Path(tempfile.mkdtemp(prefix="bench-swap-"))
+    results = []
+    for name in args.backends.split(","):
+        if name == "redis":
+            proc, url = start_redis(work)
+            try:
+                results.append(backend_run(name, url, args, work, encoder, texts))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+        else:
+            results.append(backend_run(name, f"disk://{work / 'registry'}", args, work, encoder, texts))
+    for r in results:
+        print(json.dumps({k: v for k, v in r.items() if k != "times_ms"}), file=sys.stderr)
+    if not args.quick:
+        run_id = f"{time.strftime('%Y-%m-%d')}-{random.Random().getrandbits(32):08x}"
+        meta = {
+            "kind": "meta",
+            "run": run_id,
+            "command": "python bench/swap.py " + " ".join(sys.argv[1:]),
+            **machine(),
+            "concurrency": args.concurrency,
+            "phase_seconds": args.phase_seconds,
+            "repeats": args.repeats,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            for line in (meta, *results):
+                f.write(json.dumps({"run": run_id, **line}) + "\n")
+        render(args.out)
+        print(f"wrote {args.out}, swap.md, swap.png", file=sys.stderr)
+    first = results[0]
+    print(json.dumps({k: first[k] for k in ("swap_p50_ms", "swap_p99_ms", "p99_ratio_with_swaps", "failed")}))
+
+
+if __name__ == "__main__":
+    main()
