@@ -102,6 +102,16 @@ def _is_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _is_finite_number(v: object) -> bool:
+    """A JSON number that is a finite float (an integer too large for a float is not: 1e400 written out)."""
+    if not _is_number(v):
+        return False
+    try:
+        return math.isfinite(v)  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
@@ -258,7 +268,7 @@ class PatchMeta:
         ):
             raise bad('base must name the encoder and carry its "sha256:..." fingerprint')
         if not isinstance(self.metrics, dict) or not all(
-            isinstance(k, str) and _is_number(v) and math.isfinite(v) for k, v in self.metrics.items()
+            isinstance(k, str) and _is_finite_number(v) for k, v in self.metrics.items()
         ):
             raise bad("metrics must map names to finite numbers")
         if not isinstance(self.training, dict):

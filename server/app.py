@@ -5,6 +5,7 @@ encoder, opens the registry, installs the slotted engine and starts the batcher 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -194,6 +195,11 @@ def create_app(
         queue_url = settings.queue or (settings.registry if settings.registry.startswith("redis") else None)
         queue = JobQueue(queue_url) if queue_url else None
         app.state.service = Service(settings, enc, reg, runner, batcher, catalog, metrics, queue)
+        # Everything built so far (torch, transformers, the app, the encoder) lives as long as the process. A full
+        # collection would walk its ~400k objects (~190 ms on 2 CPU cores) and stall every request meanwhile: the
+        # p99 outliers of bench/swap.py and bench/memory.py. Frozen, collections only walk what serving allocates.
+        gc.collect()
+        gc.freeze()
         log.info(
             "patchserve ready: %s (%s) on %s, registry %s, %d tasks",
             enc.name,
@@ -212,6 +218,7 @@ def create_app(
                 reg.close()
             if queue is not None:
                 queue.close()
+            gc.unfreeze()  # what start-up froze is collectable again (an app in a longer-lived process: tests)
 
     app = FastAPIOffline(  # /docs and /redoc with their assets served by the app (no CDN): they work offline
         title="patchserve",

@@ -84,6 +84,7 @@ def test_any_header_json_is_refused_with_a_patch_error(header):
 
 @SETTINGS
 @given(changes=st.dictionaries(st.sampled_from([*sorted(PatchMeta.__dataclass_fields__), "extra"]), json_values))
+@example(changes={"metrics": {"a": 10**400}})  # an integer beyond a float once raised OverflowError, not a PatchError
 def test_any_metadata_is_a_patch_or_a_patch_error(valid_patch, changes):
     from safetensors.torch import save
 
