@@ -22,28 +22,31 @@ copies) on CUDA.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 import argparse
 import json
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.common import sentences  # noqa: E402
-from patches.bitfit import apply_biases, base_biases  # noqa: E402
-from patches.encoder import Encoder, load_encoder  # noqa: E402
-from patches.format import Patch  # noqa: E402
-from patches.model import pool  # noqa: E402
-from server.engine.runner import Row, Runner  # noqa: E402
-from tests.helpers import make_patch  # noqa: E402
+from bench.common import sentences
+from patches.bitfit import apply_biases, base_biases
+from patches.encoder import Encoder, load_encoder
+from patches.format import Patch
+from patches.model import pool
+from server.engine.runner import Row, Runner
+from tests.helpers import make_patch
 
 OUT = ROOT / "docs" / "benchmarks"
 PATHS = ("plain", "naive", "engine")

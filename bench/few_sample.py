@@ -12,15 +12,17 @@ docs/few-sample.md is rewritten from all recorded runs after each one, one row p
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 import argparse
 import random
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.quality import (
     MODES,

@@ -22,10 +22,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# run as a script, this file's folder comes first on sys.path, where "http.py" would stand in for the standard
-# library's http package (that httpx and torch import): take the folder off, put the repository on
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 
 import argparse
 import asyncio
@@ -121,6 +120,15 @@ def headline(cells: list[dict[str, Any]], concurrency: int, inputs: int) -> dict
     }
 
 
+def ratios_by_cell(cells: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """(concurrency, inputs) -> rows/s with the most tasks over rows/s with the fewest."""
+    out = {}
+    for c, k in sorted({(c["concurrency"], c["inputs"]) for c in cells}):
+        by_tasks = {x["tasks"]: x["rows_per_s"] for x in cells if x["concurrency"] == c and x["inputs"] == k}
+        out[c, k] = by_tasks[max(by_tasks)] / by_tasks[min(by_tasks)]
+    return out
+
+
 def render(jsonl: Path) -> None:
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
     meta = next(x for x in reversed(lines) if x["kind"] == "meta")
@@ -141,7 +149,9 @@ def render(jsonl: Path) -> None:
         "## Goals (issue 15)",
         "",
         f"- {max(c['tasks'] for c in cells):,} tasks at >= 0.9x the 1-task throughput (concurrency {conc}, 1 input): "
-        f"**{head[ratio_key]:.2f}x** -- {'met' if head[ratio_key] >= 0.9 else 'missed'}.",
+        f"**{head[ratio_key]:.2f}x** -- {'met' if head[ratio_key] >= 0.9 else 'missed'}. Every cell's ratio: "
+        + ", ".join(f"c={c} x {k} input(s) {r:.2f}x" for (c, k), r in ratios_by_cell(cells).items())
+        + ".",
         f"- the server adds <= 20% to the engine's time at concurrency {conc}: **{head['server_overhead']:+.0%}** "
         f"(1 input, {max(c['tasks'] for c in cells):,} tasks) -- "
         f"{'met' if head['server_overhead'] <= 0.2 else 'missed'}; per cell below.",
@@ -156,7 +166,16 @@ def render(jsonl: Path) -> None:
             f"{c['engine_rows_per_s']:.1f} | {c['server_overhead']:+.0%} | {c['mean_batch_rows']} | {c['p50_ms']} | "
             f"{c['p95_ms']} | {c['p99_ms']} | {c['failed']} |"
         )
-    md += ["", *meta.get("notes", [])]
+    md += [
+        "",
+        "Reading it: at concurrency 64 the engine is busy all the time and the server's share (HTTP, JSON, "
+        "tokenising, queueing) is a few percent. At concurrency 1 and 8 the share is large because the engine waits "
+        "for work: a request's batch waits up to --max-wait-ms (5 ms) for company, and the engine idles while the "
+        "next request is parsed and tokenised; that is latency, not lost capacity. The task count barely moves "
+        "anything (same rows, same forward: a task is a gather index); differences of up to ~10% between task "
+        "counts in the same row are of the order of the repeat-to-repeat noise of this shared machine.",
+        *meta.get("notes", []),
+    ]
     (jsonl.parent / "http.md").write_text("\n".join(md) + "\n")
     plt = pyplot()
     if plt is None:

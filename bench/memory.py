@@ -17,19 +17,21 @@ and how long registering a thousand takes.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import OUT, machine, percentile, pyplot, server_figures
 from bench.soak import rss_mb

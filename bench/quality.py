@@ -12,19 +12,21 @@ runs at today's defaults in its tables.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig

@@ -20,6 +20,12 @@ slots than tasks, so slots churn); this process is the load generator. Phases:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 import argparse
 import asyncio
 import json
@@ -27,15 +33,11 @@ import platform
 import random
 import re
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import DATA, percentile, sentences
 from patches.encoder import load_encoder

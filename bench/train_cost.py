@@ -12,26 +12,29 @@ allocated bytes on CUDA). The ratios are BitFit / full: below 1 means BitFit is 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/, where http.py (the HTTP
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
+
 import argparse
 import json
 import statistics
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from patches.encoder import load_encoder, resolve_device  # noqa: E402
-from patches.jobs import TrainConfig  # noqa: E402
-from patches.model import TaskModel  # noqa: E402
-from trainer.data import load_dataset  # noqa: E402
-from trainer.train import collate, featurize, loss_fn, trainable_parameters  # noqa: E402
+from patches.encoder import load_encoder, resolve_device
+from patches.jobs import TrainConfig
+from patches.model import TaskModel
+from trainer.data import load_dataset
+from trainer.train import collate, featurize, loss_fn, trainable_parameters
 
 OUT = ROOT / "docs" / "benchmarks"
 MODES = ("bitfit", "full")
