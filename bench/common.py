@@ -98,6 +98,23 @@ def fill_registry(url: str, patches: Iterable[Any]) -> float:
     return time.perf_counter() - t0
 
 
+def append_run(out: Path, meta: dict[str, Any], lines: list[dict[str, Any]]) -> None:
+    """Append one full run to the JSON lines file ``out``: a ``meta`` line (what ran, where: ``machine()`` added)
+    then ``lines``, every one tagged with the same new run id."""
+    run_id = f"{time.strftime('%Y-%m-%d')}-{random.Random().getrandbits(32):08x}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for line in ({"kind": "meta", **machine(), **meta}, *lines):
+            f.write(json.dumps({"run": run_id, **line}) + "\n")
+
+
+def latest_run(jsonl: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The newest run in ``jsonl``: its meta line and its other lines."""
+    lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
+    meta = next(x for x in reversed(lines) if x["kind"] == "meta")
+    return meta, [x for x in lines if x.get("run") == meta["run"] and x["kind"] != "meta"]
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or None (with a note) where the plot extra is not installed."""
     try:

@@ -37,7 +37,18 @@ from typing import Any
 
 import httpx
 
-from bench.common import DATA, OUT, fill_registry, machine, pyplot, run_wrk, sentences, server_figures, wrk_script
+from bench.common import (
+    DATA,
+    OUT,
+    append_run,
+    fill_registry,
+    latest_run,
+    pyplot,
+    run_wrk,
+    sentences,
+    server_figures,
+    wrk_script,
+)
 from patches.encoder import load_encoder
 from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
 
@@ -130,9 +141,7 @@ def ratios_by_cell(cells: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
 
 
 def render(jsonl: Path) -> None:
-    lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
-    meta = next(x for x in reversed(lines) if x["kind"] == "meta")
-    cells = [x for x in lines if x["kind"] == "cell" and x["run"] == meta["run"]]
+    meta, cells = latest_run(jsonl)
     conc = max(c["concurrency"] for c in cells)
     head = headline(cells, conc, 1)
     ratio_key = next(k for k in head if k.startswith("ratio_"))
@@ -260,23 +269,15 @@ def main() -> None:
     summary = summarise(runs)
     head = headline(summary, max(concs), min(inputs))
     if not args.quick:
-        run_id = f"{machine()['date']}-{random.Random().getrandbits(32):08x}"
         meta = {
-            "kind": "meta",
-            "run": run_id,
             "command": "python bench/http.py " + " ".join(sys.argv[1:]),
-            **machine(),
             "server": f"{args.model} encoder on {args.device} ({args.dtype}), disk registry, {n_tasks:,} tasks in "
             f"{n_tasks:,} slots, default batching",
             "seconds": args.seconds,
             "repeats": args.repeats,
             "headline": head,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(meta) + "\n")
-            for c in summary:
-                f.write(json.dumps({"kind": "cell", "run": run_id, **c}) + "\n")
+        append_run(args.out, meta, [{"kind": "cell", **c} for c in summary])
         render(args.out)
         print(f"wrote {args.out}, http.md, http.png", file=sys.stderr)
     for c in summary:
