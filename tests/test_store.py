@@ -361,3 +361,77 @@ def test_open_registry_urls(tmp_path, redis_url):
     with pytest.raises(RegistryError, match="unknown registry URL scheme"):
         open_registry("s3://bucket/x")
     assert parse_redis_url("redis://h:1/2?prefix=p:") == ("redis://h:1/2", "p:")
+
+
+def _watch_in_thread(registry, stop):
+    """Run ``registry.watch`` in a thread; returns (flat list of changes seen, thread), once watching."""
+    seen: list[Change] = []
+    ready = threading.Event()
+
+    def run():
+        it = registry.watch(stop, timeout=0.05)
+        ready.set()
+        for batch in it:
+            seen.extend(batch)
+
+    t = threading.Thread(target=run)
+    t.start()
+    ready.wait()
+    return seen, t
+
+
+def _until(pred, stop):
+    for _ in range(400):
+        if pred():
+            return
+        stop.wait(0.01)
+    raise AssertionError("not seen in time")
+
+
+@pytest.fixture
+def redis_registry(redis_url):
+    reg = RedisRegistry(redis_url, prefix=f"log-{random.getrandbits(32):08x}:")
+    yield reg
+    reg.close()
+
+
+def test_redis_watcher_reads_only_the_tasks_the_change_log_names(redis_registry, tiny_encoder, monkeypatch):
+    reg = redis_registry
+    for i in range(20):
+        reg.put(make_patch(tiny_encoder, f"t{i}", seed=i + 1))
+    snapshots = []
+    real = reg.snapshot
+    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())  # a spy: counts, then reads
+    stop = threading.Event()
+    seen, t = _watch_in_thread(reg, stop)
+    v2 = reg.put(make_patch(tiny_encoder, "t3", seed=99))
+    v1 = reg.set_current("t3", 1)
+    reg.delete("t7")
+    new = reg.put(make_patch(tiny_encoder, "fresh", seed=100))
+    _until(lambda: Change("fresh", new) in seen, stop)
+    stop.set()
+    t.join(timeout=5)
+    assert [c for c in seen if c.task == "t3"][-1] == Change("t3", v1) and Change("t7", None) in seen
+    assert all(c.task in {"t3", "t7", "fresh"} for c in seen) and v2.version == 2
+    assert snapshots == [1]  # the watch's starting snapshot only: every change after it was read from the log
+
+
+def test_redis_watcher_diffs_a_snapshot_when_the_log_cannot_say(redis_registry, tiny_encoder, monkeypatch):
+    reg = redis_registry
+    v1 = reg.put(make_patch(tiny_encoder, "a", seed=1))
+    reg.put(make_patch(tiny_encoder, "a", seed=2))
+    snapshots = []
+    real = reg.snapshot
+    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())
+    stop = threading.Event()
+    seen, t = _watch_in_thread(reg, stop)
+    # a rollback written the way a version without the log writes it: the state and the generation, no log entry;
+    # only a diff of everything can find it
+    with reg.r.pipeline(transaction=True) as pipe:
+        pipe.hset(reg.keys.task("a"), "current", 1)
+        pipe.incr(reg.keys.generation)
+        pipe.execute()
+    _until(lambda: Change("a", v1) in seen, stop)
+    stop.set()
+    t.join(timeout=5)
+    assert len(snapshots) == 2  # the starting one, and the diff that found the rollback

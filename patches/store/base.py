@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from patches.errors import RegistryError
+from patches.errors import RegistryError, TaskNotFoundError
 from patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
 
 
@@ -156,18 +156,43 @@ class Registry(ABC):
         The starting snapshot is taken here, not at the first ``next()``, so nothing between the call and the
         iteration is missed. Backend errors propagate to the caller.
         """
-        return self._changes_since(self.generation(), self.snapshot(), stop, timeout)
+        gen, cursor = self.change_cursor()
+        return self._changes_since(gen, cursor, self.snapshot(), stop, timeout)
+
+    def change_cursor(self) -> tuple[int, Any]:
+        """The generation and a backend's position in its change log, read together (None: it keeps no log)."""
+        return self.generation(), None
+
+    def changed_tasks(self, since: int, cursor: Any) -> tuple[int, Any, set[str] | None]:
+        """(generation, new cursor, the tasks changed since ``since`` / ``cursor``), or None for the tasks when the
+        backend cannot name exactly which changed: then the caller diffs a whole snapshot."""
+        return self.generation(), None, None
 
     def _changes_since(
-        self, gen: int, last: dict[str, VersionInfo], stop: threading.Event, timeout: float
+        self, gen: int, cursor: Any, last: dict[str, VersionInfo], stop: threading.Event, timeout: float
     ) -> Iterator[list[Change]]:
         while not stop.is_set():
             new_gen = self.wait_for_change(gen, timeout)
             if new_gen == gen:
                 continue
-            gen = new_gen  # read before the snapshot: a change during it moves the generation again
-            snap = self.snapshot()
-            changes = diff_snapshots(last, snap)
-            last = snap
+            # read before the reads below: a change during them moves the generation again
+            gen, cursor, touched = self.changed_tasks(gen, cursor)
+            if touched is None:
+                snap = self.snapshot()
+                changes = diff_snapshots(last, snap)
+                last = snap
+            else:  # only the tasks the log names: O(changes), not O(tasks); their current state is the truth
+                changes = []
+                for task in sorted(touched):
+                    try:
+                        now: VersionInfo | None = self.info(task)
+                    except TaskNotFoundError:
+                        now = None
+                    if now != last.get(task):
+                        changes.append(Change(task, now))
+                        if now is None:
+                            last.pop(task, None)
+                        else:
+                            last[task] = now
             if changes:
                 yield changes

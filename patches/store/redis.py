@@ -2,7 +2,9 @@
 
 A version's blob, its record and the task's pointer are written in one MULTI/EXEC transaction guarded by WATCH
 on the task's hash, so concurrent puts get distinct, ordered versions and a reader never sees a pointer to a blob
-that is not there. Changes are announced on a pub/sub channel and counted in a generation key.
+that is not there. Changes are announced on a pub/sub channel, counted in a generation key and logged in a
+stream of task names, so a watcher reads only the tasks that changed (a snapshot of every task only when the log
+cannot say exactly: trimmed, or written by an older version).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import redis
 from patches.errors import RegistryUnavailableError, TaskNotFoundError, VersionNotFoundError
 from patches.format import Patch, validate_task_name
 from patches.store.base import Registry, VersionInfo, redact_url, utc_now
-from patches.store.redis_keys import DEFAULT_PREFIX, RedisKeys
+from patches.store.redis_keys import CHANGE_LOG_LENGTH, DEFAULT_PREFIX, RedisKeys
 
 T = TypeVar("T")
 
@@ -64,6 +66,9 @@ def run_transaction(client: redis.Redis, fn: Callable[[Any], T], *watched: str, 
     return call_redis(lambda: cast(T, run(fn, *watched, value_from_callable=True)), what)
 
 
+_MAX_LOG_READ = 1000  # a watcher further behind than this diffs a snapshot instead (bounded memory per read)
+
+
 class RedisRegistry(Registry):
     """Registry in Redis (``redis://host:port/db``; add ``?prefix=name:`` to change the key prefix)."""
 
@@ -95,6 +100,7 @@ class RedisRegistry(Registry):
             pipe.hset(k.task(task), mapping={"current": version, "last": version})
             pipe.sadd(k.tasks, task)
             pipe.incr(k.generation)
+            pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
             pipe.publish(k.changes, task)
             return info
 
@@ -112,6 +118,7 @@ class RedisRegistry(Registry):
             pipe.delete(k.task(task), k.versions(task), *[k.blob(task, int(v)) for v in versions])
             pipe.srem(k.tasks, task)
             pipe.incr(k.generation)
+            pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
             pipe.publish(k.changes, task)
 
         self._transaction(tx, k.task(task), k.versions(task))
@@ -129,6 +136,7 @@ class RedisRegistry(Registry):
             pipe.multi()
             pipe.hset(k.task(task), "current", version)
             pipe.incr(k.generation)
+            pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
             pipe.publish(k.changes, task)
             return VersionInfo.from_dict(json.loads(raw))
 
@@ -195,6 +203,30 @@ class RedisRegistry(Registry):
 
     def generation(self) -> int:
         return int(self._call(lambda: self.r.get(self.keys.generation)) or 0)
+
+    def change_cursor(self) -> tuple[int, Any]:
+        k = self.keys
+        pipe = self.r.pipeline(transaction=True)  # one atomic read: the counter and the log move together
+        pipe.get(k.generation)
+        pipe.xrevrange(k.change_log, count=1)
+        gen, newest = self._call(pipe.execute)
+        return int(gen or 0), newest[0][0] if newest else b"0-0"
+
+    def changed_tasks(self, since: int, cursor: Any) -> tuple[int, Any, set[str] | None]:
+        """The log's entries after ``cursor``; exact when they are as many as the generation moved (every change
+        adds one of each in the same transaction). Fewer -- trimmed away, or written by a version without the
+        log -- and the caller diffs a snapshot."""
+        k = self.keys
+        pipe = self.r.pipeline(transaction=True)
+        pipe.get(k.generation)
+        pipe.xrange(k.change_log, min=b"(" + cursor, count=_MAX_LOG_READ + 1)
+        pipe.xrevrange(k.change_log, count=1)
+        raw_gen, entries, newest = self._call(pipe.execute)
+        gen = int(raw_gen or 0)
+        position = newest[0][0] if newest else cursor
+        if len(entries) != gen - since:
+            return gen, position, None
+        return gen, position, {fields[b"task"].decode() for _, fields in entries}
 
     def wait_for_change(self, since: int, timeout: float) -> int:
         with self._pubsub_lock:

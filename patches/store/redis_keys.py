@@ -38,6 +38,12 @@ class RedisKeys:
         return f"{self.prefix}generation"
 
     @property
+    def change_log(self) -> str:
+        """Stream of changed task names (field ``task``), one entry per generation step, trimmed to about
+        ``CHANGE_LOG_LENGTH`` entries: lets watchers read only what changed."""
+        return f"{self.prefix}changes:log"
+
+    @property
     def changes(self) -> str:
         """Pub/sub channel announcing registry changes (payload: task name)."""
         return f"{self.prefix}changes"
@@ -63,3 +69,4 @@ class RedisKeys:
 
 
 JOB_GROUP = "patchserve-workers"
+CHANGE_LOG_LENGTH = 10_000
