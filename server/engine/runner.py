@@ -198,20 +198,26 @@ class Runner:
         return self.overlap
 
     def _load(self, items: Sequence[tuple[int, Patch]]) -> None:
-        """Write patches into their slots; the packed engine folds them all in one pass."""
+        """Write patches into the slots just acquired for them; the packed engine folds them all in one pass. If
+        that fails, their slots are forgotten (free again: none of them holds a whole patch)."""
         if not items:
             return
         t0 = time.perf_counter()
-        if self.packed is not None:
-            self.packed.write_slots([slot for slot, _ in items], [p.biases for _, p in items])
-            for slot, patch in items:
-                self.head_bank.write(slot, patch.head_weight, patch.head_bias)
-        else:
-            for slot, patch in items:
-                write_slot(self.sites, slot, patch.biases)
-                w = patch.head_weight.to(self.device, self.dtype)
-                b = patch.head_bias.to(self.device, self.dtype)
-                self.heads[slot] = (w, b)
+        try:
+            if self.packed is not None:
+                self.packed.write_slots([slot for slot, _ in items], [p.biases for _, p in items])
+                for slot, patch in items:
+                    self.head_bank.write(slot, patch.head_weight, patch.head_bias)
+            else:
+                for slot, patch in items:
+                    write_slot(self.sites, slot, patch.biases)
+                    w = patch.head_weight.to(self.device, self.dtype)
+                    b = patch.head_bias.to(self.device, self.dtype)
+                    self.heads[slot] = (w, b)
+        except BaseException:
+            for _, patch in items:
+                self.slots.forget(patch.patch_id)
+            raise
         if self.on_load is not None:
             each = (time.perf_counter() - t0) / len(items)
             for _ in items:
@@ -230,10 +236,6 @@ class Runner:
             slot_of, to_load = self.slots.acquire(list(part))
             try:
                 self._load([(slot, part[pid]) for pid, slot in to_load])
-            except BaseException:
-                for pid, _ in to_load:
-                    self.slots.forget(pid)
-                raise
             finally:
                 self.slots.release(list(slot_of))
         return len(self.slots)
@@ -249,12 +251,7 @@ class Runner:
         patches = {r.patch.patch_id: r.patch for r in rows if r.patch is not None}
         slot_of, to_load = self.slots.acquire(list(patches))
         try:
-            try:
-                self._load([(slot, patches[pid]) for pid, slot in to_load])
-            except BaseException:
-                for pid, _ in to_load:
-                    self.slots.forget(pid)
-                raise
+            self._load([(slot, patches[pid]) for pid, slot in to_load])
             slot_of = slot_of | {BASE_KEY: self.base_slot}
             if self.packed is not None:
                 return self._launch_packed(rows, slot_of, list(patches))
