@@ -150,37 +150,42 @@ def test_reader_during_writes_sees_old_or_new_never_a_mix(registry, patches_abc)
     assert seen <= {a.patch_id, b.patch_id} and seen
 
 
+def _watch_in_thread(registry, stop):
+    """Run ``registry.watch`` in a thread; returns (flat list of changes seen, thread), once watching."""
+    seen: list[Change] = []
+    ready = threading.Event()
+
+    def run():
+        it = registry.watch(stop, timeout=0.05)
+        ready.set()
+        for batch in it:
+            seen.extend(batch)
+
+    t = threading.Thread(target=run)
+    t.start()
+    ready.wait()
+    return seen, t
+
+
+def _until(pred, stop):
+    for _ in range(400):
+        if pred():
+            return
+        stop.wait(0.01)
+    raise AssertionError("not seen in time")
+
+
 def test_watch_reports_put_rollback_and_delete(registry, patches_abc):
     a, b, _ = patches_abc
     registry.put(a)
     stop = threading.Event()
-    batches: list[list[Change]] = []
-    ready = threading.Event()
-
-    def watch():
-        it = registry.watch(stop, timeout=0.05)
-        ready.set()
-        for changes in it:
-            batches.append(changes)
-
-    t = threading.Thread(target=watch)
-    t.start()
-    ready.wait()
-
-    def wait_for(pred):
-        for _ in range(400):
-            flat = [c for batch in batches for c in batch]
-            if pred(flat):
-                return flat
-            stop.wait(0.01)
-        raise AssertionError(f"no such change seen: {batches}")
-
+    seen, t = _watch_in_thread(registry, stop)
     v2 = registry.put(b)
-    wait_for(lambda flat: Change("sentiment", v2) in flat)
+    _until(lambda: Change("sentiment", v2) in seen, stop)
     v1 = registry.set_current("sentiment", 1)
-    wait_for(lambda flat: Change("sentiment", v1) in flat)
+    _until(lambda: Change("sentiment", v1) in seen, stop)
     registry.delete("sentiment")
-    wait_for(lambda flat: Change("sentiment", None) in flat)
+    _until(lambda: Change("sentiment", None) in seen, stop)
     stop.set()
     t.join(timeout=5)
     assert not t.is_alive()
@@ -361,31 +366,6 @@ def test_open_registry_urls(tmp_path, redis_url):
     with pytest.raises(RegistryError, match="unknown registry URL scheme"):
         open_registry("s3://bucket/x")
     assert parse_redis_url("redis://h:1/2?prefix=p:") == ("redis://h:1/2", "p:")
-
-
-def _watch_in_thread(registry, stop):
-    """Run ``registry.watch`` in a thread; returns (flat list of changes seen, thread), once watching."""
-    seen: list[Change] = []
-    ready = threading.Event()
-
-    def run():
-        it = registry.watch(stop, timeout=0.05)
-        ready.set()
-        for batch in it:
-            seen.extend(batch)
-
-    t = threading.Thread(target=run)
-    t.start()
-    ready.wait()
-    return seen, t
-
-
-def _until(pred, stop):
-    for _ in range(400):
-        if pred():
-            return
-        stop.wait(0.01)
-    raise AssertionError("not seen in time")
 
 
 @pytest.fixture
