@@ -128,6 +128,12 @@ def pyplot() -> Any:
     return plt
 
 
+def plot_cdf(ax: Any, values: list[float], label: str) -> None:
+    """The empirical distribution of ``values`` on ``ax``: the fraction at or below each value."""
+    ordered = sorted(values)
+    ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
+
+
 # --- wrk -----------------------------------------------------------------------------------------------------------
 _WRK_SCRIPT = """
 local requests = {%s}

@@ -183,7 +183,6 @@ def render(jsonl: Path) -> None:
         "next request is parsed and tokenised; that is latency, not lost capacity. The task count barely moves "
         "anything (same rows, same forward: a task is a gather index); differences of up to ~10% between task "
         "counts in the same row are of the order of the repeat-to-repeat noise of this shared machine.",
-        *meta.get("notes", []),
     ]
     (jsonl.parent / "http.md").write_text("\n".join(md) + "\n")
     plt = pyplot()

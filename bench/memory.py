@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import OUT, append_run, latest_run, percentile, pyplot, server_figures
+from bench.common import OUT, append_run, latest_run, percentile, plot_cdf, pyplot, server_figures
 from bench.soak import rss_mb
 from patches.encoder import load_encoder
 from patches.store import open_registry
@@ -233,7 +233,6 @@ def render(jsonl: Path) -> None:
         "Redis a watcher reads only the tasks the registry's change log names, so a registration costs the same "
         "whatever the task count (8.6 ms each with 1,000; 28 ms before the log, when Redis watchers diffed "
         "snapshots too). Disk is the one-machine backend; replicas share Redis.",
-        *meta.get("notes", []),
     ]
     (jsonl.parent / "memory.md").write_text("\n".join(md) + "\n")
     plt = pyplot()
@@ -250,8 +249,7 @@ def render(jsonl: Path) -> None:
     left.legend()
     for c in colds:
         for phase in ("cold", "warm"):
-            ts = sorted(c[f"{phase}_ms"])
-            right.plot(ts, [(i + 1) / len(ts) for i in range(len(ts))], label=f"{c['backend']} {phase}")
+            plot_cdf(right, c[f"{phase}_ms"], f"{c['backend']} {phase}")
     right.set_xscale("log")
     right.set(xlabel="first-request latency (ms)", ylabel="fraction of tasks", title="cold vs warm tasks")
     right.legend()

@@ -45,6 +45,7 @@ from bench.common import (
     fill_registry,
     latest_run,
     percentile,
+    plot_cdf,
     pyplot,
     run_wrk,
     sentences,
@@ -240,7 +241,6 @@ def render(jsonl: Path) -> None:
         "p50) after the notice. The disk registry's watchers poll a generation file every 0.2 s, so its notice is up "
         "to 200 ms: it is the one-machine backend; replicas share Redis. Both servers and the load generator share "
         "this machine's cores, so A's work on each registration is also taken from B.",
-        *meta.get("notes", []),
     ]
     (jsonl.parent / "swap.md").write_text("\n".join(md) + "\n")
     plt = pyplot()
@@ -248,8 +248,7 @@ def render(jsonl: Path) -> None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for r in rows:
-        ts = sorted(r["times_ms"])
-        left.plot(ts, [(i + 1) / len(ts) for i in range(len(ts))], label=r["backend"])
+        plot_cdf(left, r["times_ms"], r["backend"])
     left.axvline(100, color="grey", ls="--", lw=1)
     left.set(xlabel="swap time (ms)", ylabel="fraction of swaps", title="A's 201 -> B serves the new version")
     left.legend()
