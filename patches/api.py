@@ -79,7 +79,7 @@ class PredictRequest(BaseModel):
 
 
 class LabelScore(BaseModel):
-    label: str
+    label: str | int = Field(description="A label as the task's training data wrote it: a string, or a JSON integer.")
     score: float
 
 
@@ -90,10 +90,14 @@ class TokenPrediction(BaseModel):
 
 
 class Prediction(BaseModel):
-    label: str | None = Field(None, description="Classification: the best label.")
+    label: str | int | None = Field(
+        None, description="Classification: the best label, with the JSON type of the training data's labels."
+    )
     score: float | None = Field(None, description="Classification: its probability.")
     top_k: list[LabelScore] | None = Field(None, description="Classification with top_k: the k best labels.")
-    scores: dict[str, float] | None = Field(None, description="Classification with all_scores: every label.")
+    scores: dict[str, float] | None = Field(
+        None, description="Classification with all_scores: every label (as text: JSON object keys are strings)."
+    )
     value: float | None = Field(None, description="Regression: the predicted value.")
     tokens: list[TokenPrediction] | None = Field(None, description="Token classification: one label per word.")
     truncated: bool = Field(False, description="True when the input was cut to the task's maximum length.")
@@ -116,7 +120,7 @@ class TaskRegistered(BaseModel):
     version: int
     patch_id: str
     kind: str
-    labels: list[str]
+    labels: list[str | int]
     n_params: int
     base: BaseInfo
 

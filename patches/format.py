@@ -98,6 +98,19 @@ def validate_task_name(name: str) -> str:
 MAX_JSON_DEPTH = 16
 
 
+MAX_JSON_INT = 2**53 - 1  # the largest integer every JSON reader (JavaScript's included) holds exactly
+
+
+Label = str | int  # a task's label keeps the JSON type of the training data's labels; tags are strings
+
+
+def is_label(value: object) -> bool:
+    """A label as a patch stores it: a non-empty string, or an integer (not a bool) any JSON reader holds exactly."""
+    if isinstance(value, str):
+        return bool(value)
+    return type(value) is int and abs(value) <= MAX_JSON_INT
+
+
 def _is_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
@@ -173,7 +186,7 @@ class PatchMeta:
 
     task: str
     kind: str
-    labels: list[str]
+    labels: list[Label]  # head order; strings or integers, as the training data had them
     base: BaseRef
     bias_subset: str
     pooling: str
@@ -241,13 +254,17 @@ class PatchMeta:
             raise bad(str(exc)) from exc
         if self.kind not in KINDS:
             raise bad(f"kind {self.kind!r} is not one of {list(KINDS)}")
-        if not isinstance(self.labels, list) or not all(isinstance(x, str) and x for x in self.labels):
-            raise bad("labels must be a list of non-empty strings")
+        if not isinstance(self.labels, list) or not all(is_label(x) for x in self.labels):
+            raise bad(
+                f"labels must be a list of non-empty strings or integers within +-(2**53 - 1), got {shown(self.labels)}"
+            )
+        if self.kind == "token-classification" and not all(isinstance(x, str) for x in self.labels):
+            raise bad("tags (the labels of a token-classification patch) must be strings")
         for label in self.labels:
-            if (ch := unprintable(label)) is not None:
+            if (ch := unprintable(str(label))) is not None:
                 raise bad(f"label {shown(label)} contains the control character {ch}")
-        if len(set(self.labels)) != len(self.labels):
-            raise bad(f"labels must be unique, got {self.labels}")
+        if len({str(x) for x in self.labels}) != len(self.labels):  # 1 and "1" would be one key in all_scores
+            raise bad(f'labels must be unique (1 and "1" count as the same), got {shown(self.labels)}')
         if self.kind == "classification" and len(self.labels) < 2:
             raise bad("a classification patch needs at least 2 labels")
         if self.kind == "token-classification" and len(self.labels) < 1:

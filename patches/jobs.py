@@ -67,6 +67,18 @@ FULL_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "epochs": 5.0, "patience": 6}
 # forever or failing late. What a deployment allows a job to cost in total is the operator's ``JobLimits``.
 MAX_UPDATES_PER_RUN = 10_000_000
 MAX_RUNS = 100  # restarts x learning rates
+# Small data is where fine-tuning is unstable across seeds (Zhang et al., ICLR 2021): with at most this many
+# training rows and no `restarts` given, a config trains SMALL_DATA_RESTARTS seeds and keeps the best dev score
+# (docs/few-sample.md measures it).
+SMALL_DATA_ROWS = 1000
+SMALL_DATA_RESTARTS = 3
+# Dev metrics that may choose the checkpoint (`metric`), per task kind; the first is the kind's default, except
+# that tags in a BIO/IOB2/BIOES scheme default to entity_f1 (trainer.metrics.selection_metric).
+SELECTION_METRICS: dict[str, tuple[str, ...]] = {
+    "classification": ("accuracy", "macro_f1"),
+    "regression": ("spearman", "pearson"),
+    "token-classification": ("token_accuracy", "entity_f1"),
+}
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # a bool is not an int, "5" is not a number, NaN is refused
 _Steps = Annotated[int, Field(ge=1, le=MAX_UPDATES_PER_RUN)]
 _Rate = Annotated[float, Field(gt=0, le=1)]
@@ -93,7 +105,8 @@ class TrainConfig:
     head_lr: _Rate | None = None  # the task head's learning rate; None: the same as lr
     lr_search: Annotated[list[_Rate], Field(max_length=16)] = field(default_factory=list)  # e.g. [1e-4, 4e-4, 1e-3]
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-    restarts: Annotated[int, Field(ge=1, le=MAX_RUNS)] = 1  # seeds seed .. seed+restarts-1; the best dev score wins
+    # seeds seed .. seed+restarts-1; the best dev score wins. None: SMALL_DATA_RESTARTS on small data, else 1
+    restarts: Annotated[int, Field(ge=1, le=MAX_RUNS)] | None = None
     warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.1
     weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
     max_grad_norm: Annotated[float, Field(gt=0, le=1e6)] = 1.0
@@ -101,6 +114,9 @@ class TrainConfig:
     eval_every: _Steps | None = None  # updates between dev evaluations; None: 4 per (min_steps-stretched) epoch
     patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # evaluations without gain; None: 40 / 6
     full: bool = False  # fine-tune every weight (report only, for comparison)
+    metric: str | None = (
+        None  # the dev metric that picks checkpoints and restarts (SELECTION_METRICS); None: the kind's
+    )
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -112,16 +128,32 @@ class TrainConfig:
             (self.bias_subset in BIAS_SUBSETS, f"bias_subset must be one of {sorted(BIAS_SUBSETS)}"),
             (self.pooling is None or self.pooling in POOLINGS, f"pooling must be one of {list(POOLINGS)}"),
             (self.kind in (None, *KINDS), f"kind must be one of {list(KINDS)}"),
-            (self.runs <= MAX_RUNS, f"restarts x learning rates is {self.runs}, over the limit of {MAX_RUNS}"),
+            (self.metric is None or self.metric in _metric_kinds(), f"metric must be one of {sorted(_metric_kinds())}"),
+            (
+                self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind],
+                f"metric {self.metric!r} does not score a {self.kind} task; use one of "
+                f"{list(SELECTION_METRICS.get(self.kind or '', ()))}",
+            ),
+            (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise JobError(f"training config: {msg}")
 
+    def restarts_for(self, train_rows: int) -> int:
+        """Seeds to train on ``train_rows`` rows: ``restarts``, or when unset SMALL_DATA_RESTARTS on small data."""
+        if self.restarts is not None:
+            return self.restarts
+        return SMALL_DATA_RESTARTS if train_rows <= SMALL_DATA_ROWS else 1
+
+    def runs(self, train_rows: int) -> int:
+        """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""
+        return self.restarts_for(train_rows) * max(1, len(self.lr_search))
+
     @property
-    def runs(self) -> int:
-        """Training runs this config asks for: one per restart and learning rate."""
-        return self.restarts * max(1, len(self.lr_search))
+    def max_runs(self) -> int:
+        """The most runs this config can make, whatever the data."""
+        return (self.restarts or SMALL_DATA_RESTARTS) * max(1, len(self.lr_search))
 
     def resolved(self) -> TrainConfig:
         """This config with the mode's defaults (``BITFIT_DEFAULTS`` / ``FULL_DEFAULTS``) in place of None."""
@@ -143,11 +175,17 @@ class TrainConfig:
         return _from_json(cls, raw, "training config")
 
 
+def _metric_kinds() -> set[str]:
+    return {m for names in SELECTION_METRICS.values() for m in names}
+
+
 @pydantic_dataclass(config=_STRICT)
 class Gate:
     """When a trained patch may be registered."""
 
-    min_dev: float | None = None  # the dev score (accuracy / Spearman / token accuracy) must reach this
+    min_dev: float | None = (
+        None  # the dev score of the selection metric (accuracy, Spearman, entity F1...) must reach this
+    )
     not_worse: bool = False  # ... and must not be below the current version's recorded dev score
 
     @classmethod
@@ -180,11 +218,11 @@ class JobLimits:
     max_seconds: float = 24 * 3600.0  # wall-clock time a worker gives one job before stopping it
 
     def check(self, config: TrainConfig, train_rows: int) -> None:
-        per_run = config.planned_steps(train_rows)
-        total = per_run * config.runs
+        per_run, runs = config.planned_steps(train_rows), config.runs(train_rows)
+        total = per_run * runs
         if total > self.max_updates:
             raise JobError(
-                f"this job would make {total} updates ({config.runs} run(s) x {per_run}), over this deployment's "
+                f"this job would make {total} updates ({runs} run(s) x {per_run}), over this deployment's "
                 f"limit of {self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts or "
                 "lr_search, or set max_steps"
             )

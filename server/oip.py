@@ -308,7 +308,7 @@ def _outputs(meta: PatchMeta, preds: list[Prediction], logits: list[torch.Tensor
     n = len(preds)
     if meta.kind == "classification":
         return {
-            "label": ("BYTES", [n], [p.label for p in preds]),
+            "label": ("BYTES", [n], [str(p.label) for p in preds]),  # BYTES: an integer label as its text
             "score": ("FP32", [n], [p.score for p in preds]),
             "logits": ("FP32", [n, len(meta.labels)], [float(x) for row in logits for x in row]),
         }

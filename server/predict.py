@@ -130,5 +130,5 @@ def decode(out: torch.Tensor, enc: Encoded, top_k: int | None, all_scores: bool)
         vals, idx = probs.topk(min(top_k, len(meta.labels)))
         pred.top_k = [LabelScore(label=meta.labels[int(i)], score=float(v)) for v, i in zip(vals, idx, strict=True)]
     if all_scores:
-        pred.scores = {label: float(p) for label, p in zip(meta.labels, probs, strict=True)}
+        pred.scores = {str(label): float(p) for label, p in zip(meta.labels, probs, strict=True)}
     return pred

@@ -167,6 +167,15 @@ def synthetic_rows(kind: str, n: int, seed: int = 0) -> list[dict]:
             rows.append({"text": text, "text_pair": rng.choice(filler), "label": "yes" if positive else "no"})
         elif kind == "regression":
             rows.append({"text": text, "text_pair": "the film", "label": 4.5 if positive else 0.5})
+        elif kind == "ner":  # BIO entities: "good film" is a POS entity of two words, "bad" alone a NEG one
+            toks = text.replace("good", "good film").split()
+            tags = ["O"] * len(toks)
+            for i, t in enumerate(toks):
+                if t in ("good", "bad"):
+                    tags[i] = "B-POS" if t == "good" else "B-NEG"
+                    if t == "good":
+                        tags[i + 1] = "I-POS"
+            rows.append({"tokens": toks, "tags": tags})
         else:  # token-classification: cue words are ADJ, the rest OTHER
             toks = text.split()
             rows.append({"tokens": toks, "tags": ["ADJ" if t in ("good", "bad") else "OTHER" for t in toks]})

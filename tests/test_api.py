@@ -87,6 +87,30 @@ def test_register_then_predict_matches_the_reference(make_client, tiny_encoder):
         assert pred["truncated"] is False
 
 
+def test_labels_answer_with_the_json_type_they_were_trained_with(make_client, tiny_encoder):
+    # a set labelled 0/1 gets 0/1 back (numbers, not "0"/"1"); a string label stays a string
+    client = make_client()
+    patch = make_patch(tiny_encoder, "numbers", labels=[0, 1], seed=3)
+    r = upload(client, patch)
+    assert r.status_code == 201 and r.json()["labels"] == [0, 1]
+    r = client.post("/tasks/numbers/predict", json={"inputs": ["good", "bad"], "top_k": 2, "all_scores": True})
+    assert r.status_code == 200, r.text
+    for pred in r.json()["predictions"]:
+        assert type(pred["label"]) is int and pred["label"] in (0, 1)
+        assert [type(s["label"]) for s in pred["top_k"]] == [int, int]
+        assert set(pred["scores"]) == {"0", "1"}  # JSON object keys are strings in any JSON
+    assert client.get("/tasks/numbers").json()["metadata"]["labels"] == [0, 1]
+    mixed = make_patch(tiny_encoder, "mixed", labels=[7, "seven-ish"], seed=4)
+    assert upload(client, mixed).status_code == 201
+    labels = {
+        p["label"]
+        for p in client.post("/tasks/mixed/predict", json={"inputs": ["a", "b", "c"], "top_k": 2}).json()[
+            "predictions"
+        ][0]["top_k"]
+    }
+    assert labels == {7, "seven-ish"}
+
+
 def test_regression_pairs_and_tagging(make_client, tiny_encoder):
     client = make_client()
     sts = make_patch(tiny_encoder, "sts", kind="regression", seed=4)

@@ -11,11 +11,12 @@ import torch
 
 from patches.bitfit import bias_parameters, target_names
 from patches.format import Patch
-from patches.jobs import JobError, TrainConfig
+from patches.jobs import JobError, JobLimits, TrainConfig
 from patches.model import TaskModel
 from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
 from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
 from trainer.data import DataError, load_dataset, split_dev
+from trainer.metrics import classification_metrics, is_bio_scheme, selection_metric, tagging_metrics
 from trainer.train import evaluate, featurize, train_patch
 
 
@@ -40,6 +41,7 @@ def _config(**kw) -> TrainConfig:
         "patience": 100,
         "lr": 1e-2,
         "pooling": "mean",
+        "restarts": 1,  # one seed unless a test is about restarts (small data would get 3)
     }
     return TrainConfig(**(base | kw))
 
@@ -71,22 +73,31 @@ def test_only_target_biases_and_the_head_change(tmp_path, tiny_encoder, subset):
     )
 
 
-@pytest.mark.parametrize("kind", ["pair", "regression", "token-classification"])
-def test_every_kind_trains_end_to_end(tmp_path, tiny_encoder, kind):
+@pytest.mark.parametrize(
+    "kind, metric, reported",
+    [
+        ("pair", "accuracy", {"accuracy", "macro_f1"}),
+        ("regression", "spearman", {"spearman", "pearson", "mse"}),
+        ("token-classification", "token_accuracy", {"token_accuracy"}),  # ADJ/OTHER: no entities to score
+        ("ner", "entity_f1", {"token_accuracy", "entity_precision", "entity_recall", "entity_f1"}),
+    ],
+)
+def test_every_kind_trains_end_to_end(tmp_path, tiny_encoder, kind, metric, reported):
     train, dev = _data(tmp_path, kind)
     result = train_patch(tiny_encoder, train, dev, _config(min_steps=300), test=dev)
     patch = Patch.from_bytes(result.patch.data)
-    expected_kind = {"pair": "classification"}.get(kind, kind)
+    expected_kind = {"pair": "classification", "ner": "token-classification"}.get(kind, kind)
     assert patch.meta.kind == expected_kind and result.report["kind"] == expected_kind
-    primary = {"classification": "accuracy", "regression": "spearman", "token-classification": "token_accuracy"}
-    score = result.report["test"][primary[expected_kind]]
-    assert score > 0.8, result.report["test"]
-    if kind == "regression":
-        assert {"spearman", "pearson", "mse"} <= set(result.report["test"])
+    # the kind's default selection metric chose the checkpoint, and every metric of the kind is reported
+    assert result.report["metric"] == metric == patch.meta.training["metric"]
+    assert set(result.report["test"]) == set(result.report["dev"]) == reported
+    assert {f"dev_{m}" for m in reported} | {f"test_{m}" for m in reported} == set(patch.meta.metrics)
+    assert result.report["test"][metric] > 0.8, result.report["test"]
+    assert [h[f"dev_{metric}"] for h in result.report["history"]][-1] > 0.8
     # the patch alone, applied to a fresh copy of the encoder, scores exactly what the trained model scored
     model = TaskModel.from_patch(copy.deepcopy(tiny_encoder.model), patch)
     feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 128)
-    assert evaluate(model, feats, 0) == result.report["test"]
+    assert evaluate(model, feats, 0, patch.meta.labels) == result.report["test"]
 
 
 def test_training_is_deterministic_per_seed(tmp_path, tiny_encoder):
@@ -196,7 +207,7 @@ def test_readers_csv_unicode_separators_and_inference(tmp_path):
     j = tmp_path / "u.jsonl"
     j.write_text(json.dumps({"text": "line\u2028separator", "label": 1}) + "\n" + json.dumps({"text": "x", "label": 0}))
     ds = load_dataset(j)
-    assert ds.kind == "classification" and ds.labels == ["0", "1"] and len(ds) == 2
+    assert ds.kind == "classification" and ds.labels == [0, 1] and len(ds) == 2  # JSON numbers stay numbers
     train, dev = split_dev(load_dataset(write_jsonl(tmp_path / "s.jsonl", synthetic_rows("classification", 50))))
     assert (len(train), len(dev)) == (45, 5)
     with pytest.raises(DataError, match="not among the task's labels"):
@@ -240,13 +251,19 @@ def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
             "0",
             "--head-lr",
             "5e-3",
+            "--metric",
+            "macro_f1",
+            "--restarts",
+            "1",
         ]
     )
     assert rc == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
     # stderr is not a terminal here: plain progress lines instead of a bar, the last one at the final step
-    assert "step 200/200 loss" in captured.err and "dev accuracy" in captured.err
+    assert "step 200/200 loss" in captured.err and "dev accuracy" in captured.err and "macro_f1" in captured.err
+    assert summary["metric"] == "macro_f1" and set(summary["test"]) == {"accuracy", "macro_f1"}
+    assert summary["selection"]["restarts"] == 1 and summary["selection"]["restarts_why"] == "set: restarts=1"
     assert summary["patch"]["file"] == str(out) and out.is_file()
     full = json.loads(report.read_text())
     assert full["test"] == summary["test"] and full["history"] and "bias_movement" in full
@@ -271,7 +288,9 @@ def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
             "cpu",
         ]
     )
-    assert rc == 0 and json.loads(capsys.readouterr().out)["registered"]["version"] == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and summary["registered"]["version"] == 1
+    assert summary["selection"]["restarts"] == 3 and summary["metric"] == "accuracy"  # 108 rows: automatic restarts
 
 
 def test_progress_is_reported_between_evaluations(tmp_path, tiny_encoder):
@@ -324,3 +343,96 @@ def test_cli_train_checks_where_the_patch_goes_first_and_never_loses_a_trained_p
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_small_data_restarts_automatically_and_the_report_says_why(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=15, restarts=None), test=dev)
+    report = result.report
+    assert [r["seed"] for r in report["runs"]] == [0, 1, 2]
+    assert report["selection"]["restarts"] == 3 and "automatic: 64 training rows" in report["selection"]["restarts_why"]
+    assert report["dev"]["accuracy"] == max(r["best_dev"]["accuracy"] for r in report["runs"])
+    assert all(set(r["test"]) == {"accuracy", "macro_f1"} for r in report["runs"])  # each restart scored on test
+    chosen = next(r for r in report["runs"] if r["seed"] == report["seed"])
+    assert report["test"] == chosen["test"] and result.patch.meta.training["restarts"] == 3
+    # the rule itself: small data (at most 1,000 rows) gets 3 seeds, more data 1, and a set value always wins
+    config = TrainConfig(task="t")
+    assert (config.restarts_for(1000), config.restarts_for(1001), config.runs(10)) == (3, 1, 3)
+    assert TrainConfig(task="t", restarts=2, lr_search=[1e-3, 2e-3]).runs(10) == 4
+    assert TrainConfig(task="t", restarts=1).restarts_for(10) == 1
+
+
+def test_job_limits_count_the_automatic_restarts():
+    limits = JobLimits(max_updates=1500)
+    limits.check(TrainConfig(task="t"), 2000)  # 2,000 rows: 1 run of 10 epochs x 125 updates
+    with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\)"):  # 100 rows: 3 automatic restarts
+        limits.check(TrainConfig(task="t"), 100)
+    limits.check(TrainConfig(task="t", restarts=1), 100)
+
+
+def test_a_tie_on_dev_keeps_the_later_checkpoint(tmp_path, tiny_encoder):
+    # with learning rates of 1e-12 nothing moves, so every evaluation scores the same: the last one is kept
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=60, lr=1e-12, eval_every=20))
+    scores = {h["dev_accuracy"] for h in result.report["history"]}
+    assert len(scores) == 1 and [h["step"] for h in result.report["history"]] == [20, 40, 60]
+    assert result.report["best_step"] == 60
+
+
+def test_the_selection_metric_is_settable_and_checked(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=20, metric="macro_f1"))
+    assert result.report["metric"] == "macro_f1" and "dev_macro_f1" in result.report["history"][0]
+    assert result.report["dev"]["macro_f1"] == max(h["dev_macro_f1"] for h in result.report["history"])
+    with pytest.raises(JobError, match="does not score a classification task"):
+        train_patch(tiny_encoder, train, dev, _config(metric="spearman"))
+    tags, tags_dev = _data(tmp_path, "token-classification", 16, 4)
+    with pytest.raises(JobError, match="needs tags in a BIO/IOB2/BIOES scheme"):
+        train_patch(tiny_encoder, tags, tags_dev, _config(metric="entity_f1"))
+    with pytest.raises(JobError, match="metric must be one of"):
+        TrainConfig.from_dict({"task": "t", "metric": "f1"})
+    with pytest.raises(JobError, match="does not score a regression task"):
+        TrainConfig.from_dict({"task": "t", "kind": "regression", "metric": "accuracy"})
+
+
+def test_metric_values_match_hand_computed_ones():
+    import numpy as np
+
+    # gold 0 0 1 1 2, predicted 0 1 1 1 0: F1 per label 1/2 (P 1/2, R 1/2), 4/5 (P 2/3, R 1), 0 -> macro 13/30
+    got = classification_metrics(np.array([0, 1, 1, 1, 0]), np.array([0, 0, 1, 1, 2]), 3)
+    assert got == {"accuracy": pytest.approx(3 / 5), "macro_f1": pytest.approx(13 / 30)}
+    tags = ["B-PER", "I-PER", "B-LOC", "O"]
+    # sentence 1: PER(0-1) found, LOC(3) missed; sentence 2: LOC(0) found, PER(2) predicted where none is
+    gold = [np.array([0, 1, 3, 2]), np.array([2, 3, 3])]
+    pred = [np.array([0, 1, 3, 3]), np.array([2, 3, 0])]
+    got = tagging_metrics(pred, gold, tags)
+    assert got["token_accuracy"] == pytest.approx(5 / 7)
+    assert (got["entity_precision"], got["entity_recall"]) == (pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert got["entity_f1"] == pytest.approx(2 / 3)
+    # an entity whose end is wrong counts as missed, though most of its tokens are right
+    cut = tagging_metrics([np.array([0, 3, 3, 2])], [np.array([0, 1, 3, 2])], tags)
+    assert cut["entity_recall"] == pytest.approx(1 / 2) and cut["token_accuracy"] == pytest.approx(3 / 4)
+    assert is_bio_scheme(["O", "B-X", "I-X", "E-X", "S-X"]) and not is_bio_scheme(["nn", "vb", "B-X"])
+    assert not is_bio_scheme(["O"]) and selection_metric("token-classification", ["nn", "vb"]) == "token_accuracy"
+
+
+def test_labels_keep_their_json_type(tmp_path, tiny_encoder):
+    numbers = [
+        {"text": r["text"], "label": int(r["label"] == "positive")} for r in synthetic_rows("classification", 64)
+    ]
+    train, dev = split_dev(load_dataset(write_jsonl(tmp_path / "n.jsonl", numbers)))
+    assert train.labels == [0, 1]
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=10))
+    patch = Patch.from_bytes(result.patch.data)
+    assert patch.meta.labels == [0, 1] and '"labels":[0,1]' in patch.meta.to_json()
+    # more than 10 integer labels sort as numbers, strings after them
+    many = [{"text": f"row {i}", "label": i % 12} for i in range(24)]
+    assert load_dataset(write_jsonl(tmp_path / "m.jsonl", many)).labels == list(range(12))
+    mixed = [{"text": "a", "label": "x"}, {"text": "b", "label": 2}, {"text": "c", "label": 1.0}]
+    assert load_dataset(write_jsonl(tmp_path / "x.jsonl", mixed)).labels == [1, 2, "x"]
+    clash = [{"text": "a", "label": 1}, {"text": "b", "label": "1"}, {"text": "c", "label": 0}]
+    with pytest.raises(DataError, match="appears both as a JSON number and as a string"):
+        load_dataset(write_jsonl(tmp_path / "c.jsonl", clash))
+    # a patch made before labels kept their type ("0", "1") still scores a file labelled 0/1
+    feats = featurize(tiny_encoder.tokenizer, load_dataset(tmp_path / "n.jsonl", labels=["0", "1"]), ["0", "1"], 64)
+    assert [f.label for f in feats] == [int(r["label"]) for r in numbers]

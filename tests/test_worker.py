@@ -32,6 +32,7 @@ CONFIG = {
     "pooling": "mean",
     "device": "cpu",
     "patience": 100,
+    "restarts": 1,  # one seed: these tests are about the queue (small data would train 3)
 }
 
 
@@ -204,6 +205,8 @@ def test_job_api_end_to_end(redis_ns, tiny_bert_dir, tiny_encoder):
         Worker(queue, reg, tiny_encoder, block_s=0.2).run(max_jobs=1)
         job = client.get(f"/jobs/{job_id}", headers=auth).json()
         assert job["status"] == "succeeded" and job["result"]["version"] == 1
+        assert job["result"]["metric"] == "accuracy" and set(job["result"]["dev"]) == {"accuracy", "macro_f1"}
+        assert job["result"]["selection"]["restarts"] == 1
         assert [j["id"] for j in client.get("/jobs", headers=auth).json()] == [job_id]
         pred = client.post("/tasks/sent/predict", json={"inputs": ["the good movie", "a bad film"]}).json()
         assert pred["patch_id"] == job["result"]["patch_id"]
@@ -321,6 +324,8 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
         ({"gate": {"min_dev": "0.8"}}, "gate: min_dev: Input should be a valid number"),
         ({"gate": {"min_dev": 0.8, "minimum": 1}}, "gate has unknown fields ['minimum']"),
         ({"gate": [0.8]}, "gate must be a JSON object"),
+        ({"metric": "f1"}, "metric must be one of"),
+        ({"metric": "entity_f1"}, "metric 'entity_f1' does not score a classification task"),  # known from the data
     ],
 )
 def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from patches.cli import add_registry_option
+from patches.jobs import SELECTION_METRICS, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS
 from patches.store.base import redact_url
 
-SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "lr", "seed", "steps", "trainable_params", "seconds")
+SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "metric", "lr", "seed", "steps", "trainable_params", "seconds")
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
@@ -52,8 +53,15 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--restarts",
         type=int,
-        default=1,
-        help="train with seeds seed..seed+N-1 and keep the best dev score (default 1)",
+        help="train with seeds seed..seed+N-1 and keep the best dev score (default: "
+        f"{SMALL_DATA_RESTARTS} when the training set has at most {SMALL_DATA_ROWS} rows, where runs vary most "
+        "from seed to seed, else 1)",
+    )
+    p.add_argument(
+        "--metric",
+        choices=sorted({m for names in SELECTION_METRICS.values() for m in names}),
+        help="the dev metric that picks the best checkpoint and restart (default: accuracy for classification, "
+        "spearman for regression, entity_f1 for BIO/IOB2/BIOES tags, else token_accuracy)",
     )
     p.add_argument("--batch-size", type=int, default=16, help="examples per update (default 16)")
     p.add_argument("--max-seq-length", type=int, default=128, help="truncate inputs to this many tokens (default 128)")
@@ -105,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "eval_every": args.eval_every,
         "dropout": args.dropout,
         "full": args.full,
+        "metric": args.metric,
     }
     return cfg
 
@@ -163,7 +172,11 @@ def _train(args: argparse.Namespace) -> int:
     progress = None if sys.stderr.isatty() else progress_logger()
     result = train_patch(encoder, train, dev, config, test=test, on_progress=progress)
     report = result.report
-    summary = {k: report[k] for k in SUMMARY_KEYS} | {"dev": report["dev"], "test": report.get("test")}
+    summary = {k: report[k] for k in SUMMARY_KEYS} | {
+        "dev": report["dev"],
+        "test": report.get("test"),
+        "selection": report["selection"],
+    }
     code = 0 if result.patch is None else _deliver(result.patch, out, registry, args, summary)  # the patch first
     if args.report:
         path = Path(args.report)
@@ -215,7 +228,8 @@ def _eval(args: argparse.Namespace) -> int:
     data = load_dataset(args.data, kind=meta.kind, labels=meta.labels or None)
     model = TaskModel.from_patch(copy.deepcopy(encoder.model), patch).eval()
     feats = featurize(encoder.tokenizer, data, meta.labels, min(meta.max_seq_length, encoder.max_positions))
-    metrics = evaluate(model, feats, int(encoder.tokenizer.pad_token_id or 0), batch_size=args.batch_size)
+    pad_id = int(encoder.tokenizer.pad_token_id or 0)
+    metrics = evaluate(model, feats, pad_id, meta.labels, batch_size=args.batch_size)
     print(
         json.dumps(
             {"task": meta.task, "patch_id": patch.patch_id, "data": args.data, "rows": len(data), "metrics": metrics},
@@ -419,7 +433,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train", required=True, help="training data (.jsonl or .csv)")
     p.add_argument("--dev", help="dev data (default: 10%% of --train)")
     p.add_argument("--test", help="test data")
-    p.add_argument("--min-dev", type=float, help="register only if the dev score reaches this")
+    p.add_argument("--min-dev", type=float, help="register only if the dev score (of --metric) reaches this")
     p.add_argument("--not-worse", action="store_true", help="register only if not worse than the current version")
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
     p.set_defaults(func=_submit)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from patches.errors import PatchServeError
-from patches.format import shown, strict_json, unprintable
+from patches.format import Label, is_label, shown, strict_json, unprintable
 
 KINDS = ("classification", "regression", "token-classification")
 _MAX_REPORTED = 10
@@ -36,7 +36,7 @@ class DataError(PatchServeError):
 class Example:
     text: str = ""
     text_pair: str | None = None
-    label: str | float | None = None
+    label: str | int | float | None = None  # classification: str or int, as the file has it; regression: float
     tokens: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
 
@@ -46,7 +46,8 @@ class Dataset:
     kind: str
     examples: list[Example]
     source: str
-    labels: list[str] = field(default_factory=list)  # classification labels / tag set, in a fixed order
+    # classification labels (strings or integers, as the file has them) / tag set, in a fixed order
+    labels: list[Label] = field(default_factory=list)
 
     @property
     def is_pair(self) -> bool:
@@ -126,12 +127,12 @@ class DataFile:
         return cls(str(path), data, str(path))
 
 
-def load_dataset(path: str | Path, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
+def load_dataset(path: str | Path, kind: str | None = None, labels: list[Label] | None = None) -> Dataset:
     """Read and validate a data file. ``labels`` fixes the label order (else sorted labels of the file)."""
     return parse_dataset(DataFile.read(path), kind, labels)
 
 
-def parse_dataset(file: DataFile, kind: str | None = None, labels: list[str] | None = None) -> Dataset:
+def parse_dataset(file: DataFile, kind: str | None = None, labels: list[Label] | None = None) -> Dataset:
     """Validate a data file's rows (see ``load_dataset``)."""
     where = file.where
     rows = _rows(where, Path(file.name).suffix.lower(), file.data)
@@ -151,21 +152,37 @@ def parse_dataset(file: DataFile, kind: str | None = None, labels: list[str] | N
     if len(pairs) > 1:
         first = next(line for (line, _), e in zip(rows, examples, strict=True) if e.text_pair is None)
         raise DataError(f"{where}:{first}: some rows have text_pair and some do not; a file is all pairs or none")
-    found = sorted(
-        {t for e in examples for t in e.tags}
+    found: list[Label] = (
+        sorted({t for e in examples for t in e.tags})
         if kind == "token-classification"
-        else {str(e.label) for e in examples}
+        else _label_set(examples, where)
         if kind == "classification"
-        else set()
+        else []
     )
-    if labels is not None and kind != "regression":
-        unknown = sorted(set(found) - set(labels))
+    if labels is not None and kind != "regression":  # matched by text: a patch's "1" takes a file's 1 (older patches)
+        unknown = sorted({str(x) for x in found} - {str(x) for x in labels})
         if unknown:
             raise DataError(f"{where}: labels {unknown[:10]} are not among the task's labels {labels[:20]}")
         found = list(labels)
     if kind == "classification" and len(found) < 2:
         raise DataError(f"{where}: a classification task needs at least 2 distinct labels, found {found}")
     return Dataset(kind=kind, examples=examples, source=where, labels=found)
+
+
+def _label_set(examples: list[Example], where: str) -> list[Label]:
+    """The distinct labels, each with its JSON type (integers first, in numeric order, then strings). A number and
+    a string of the same text (1 and "1") are refused: the task could answer only one of them."""
+    by_text: dict[str, Label] = {}
+    for e in examples:
+        label = e.label
+        assert isinstance(label, str | int)
+        seen = by_text.setdefault(str(label), label)
+        if type(seen) is not type(label):
+            raise DataError(
+                f"{where}: the label {shown(label)} appears both as a JSON number and as a string; write every "
+                "label the same way (all numbers or all strings)"
+            )
+    return sorted(by_text.values(), key=lambda x: (isinstance(x, str), x))
 
 
 @dataclass
@@ -230,9 +247,10 @@ def _example(row: dict[str, Any], kind: str) -> Example:
         return Example(text=text, text_pair=pair, label=float(label))
     if isinstance(label, float) and label.is_integer():
         label = int(label)
-    if not isinstance(label, str | int) or isinstance(label, bool):
-        raise ValueError(f'"label" must be a string or an integer, got {label!r}')
-    return Example(text=text, text_pair=pair, label=_check_label(str(label)))
+    if not is_label(label):
+        raise ValueError(f'"label" must be a non-empty string or an integer (within +-(2**53 - 1)), got {shown(label)}')
+    _check_label(str(label))
+    return Example(text=text, text_pair=pair, label=label)
 
 
 def _check_label(label: str) -> str:

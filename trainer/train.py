@@ -2,9 +2,10 @@
 
 Follows the few-sample practices of Zhang et al. (ICLR 2021): bias-corrected AdamW, linear warm-up over the first
 10% of steps then linear decay, gradient clipping at 1.0, a minimum number of update steps so small data sets
-train long enough, dev evaluation with early stopping and best-checkpoint restore, optional restarts over seeds
-and an optional learning-rate search, both keeping the best dev score. ``full=True`` fine-tunes every weight of
-the same encoder for comparison and returns a report only.
+train long enough, dev evaluation with early stopping and best-checkpoint restore (a tie goes to the later
+checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
+the best dev score of the task's selection metric (``trainer.metrics.selection_metric``). ``full=True``
+fine-tunes every weight of the same encoder for comparison and returns a report only.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,11 @@ from tqdm import tqdm
 from patches.bitfit import bias_parameters, bias_roles, extract_patch, target_names
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
-from patches.format import BaseRef, Patch, PatchMeta
-from patches.jobs import TrainConfig
+from patches.format import BaseRef, Label, Patch, PatchMeta
+from patches.jobs import SMALL_DATA_ROWS, TrainConfig
 from patches.model import TaskModel
 from trainer.data import Dataset
-from trainer.metrics import PRIMARY, compute
+from trainer.metrics import classification_metrics, regression_metrics, selection_metric, tagging_metrics
 
 IGNORE = -100
 
@@ -71,9 +72,10 @@ def progress_line(p: dict[str, Any]) -> str:
     return f"step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
 
 
-def featurize(tokenizer: Any, ds: Dataset, labels: list[str], max_len: int) -> list[Features]:
-    """Tokenise a data set once. Tagging: the first sub-word of each word carries its tag, the rest are ignored."""
-    index = {label: i for i, label in enumerate(labels)}
+def featurize(tokenizer: Any, ds: Dataset, labels: Sequence[Label], max_len: int) -> list[Features]:
+    """Tokenise a data set once. Tagging: the first sub-word of each word carries its tag, the rest are ignored.
+    Labels are matched by their text, so a patch's "1" (as older patches stored every label) takes a file's 1."""
+    index = {str(label): i for i, label in enumerate(labels)}
     if ds.kind == "token-classification":
         enc = tokenizer([e.tokens for e in ds.examples], is_split_into_words=True, truncation=True, max_length=max_len)
         feats = []
@@ -128,14 +130,21 @@ def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 @torch.no_grad()
 def evaluate(
-    model: TaskModel, feats: list[Features], pad_id: int, batch_size: int = 64, should_stop: StopFn = _never
+    model: TaskModel,
+    feats: list[Features],
+    pad_id: int,
+    labels: Sequence[Label],
+    batch_size: int = 64,
+    should_stop: StopFn = _never,
 ) -> dict[str, float]:
-    """Metrics of ``model`` on featurised data (eval mode; restores the previous mode). ``should_stop`` is asked
-    between batches (a long dev set must not delay a stop); it raises TrainingStopped(0, 0) when it says so."""
+    """Metrics of ``model`` on featurised data (eval mode; restores the previous mode); ``labels`` are the task's
+    labels or tags, in head order. ``should_stop`` is asked between batches (a long dev set must not delay a stop);
+    it raises TrainingStopped(0, 0) when it says so."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    preds, golds = [], []
+    preds: list[np.ndarray] = []
+    golds: list[np.ndarray] = []
     for i in range(0, len(feats), batch_size):
         if should_stop():
             raise TrainingStopped(0, 0)
@@ -144,15 +153,22 @@ def evaluate(
         if model.kind == "regression":
             preds.append(logits.squeeze(-1).cpu().numpy())
             golds.append(b["labels"].cpu().numpy())
-        elif model.kind == "token-classification":
-            keep = b["labels"] != IGNORE
-            preds.append(logits.argmax(-1)[keep].cpu().numpy())
-            golds.append(b["labels"][keep].cpu().numpy())
+        elif model.kind == "token-classification":  # one array per sentence: entities must not span two
+            best, gold = logits.argmax(-1).cpu().numpy(), b["labels"].cpu().numpy()
+            for row_pred, row_gold in zip(best, gold, strict=True):
+                keep = row_gold != IGNORE
+                preds.append(row_pred[keep])
+                golds.append(row_gold[keep])
         else:
             preds.append(logits.argmax(-1).cpu().numpy())
             golds.append(b["labels"].cpu().numpy())
     model.train(was_training)
-    return compute(model.kind, np.concatenate(preds), np.concatenate(golds))
+    if model.kind == "token-classification":
+        return tagging_metrics(preds, golds, labels)
+    pred, gold = np.concatenate(preds), np.concatenate(golds)
+    if model.kind == "regression":
+        return regression_metrics(pred, gold)
+    return classification_metrics(pred, gold, len(labels))
 
 
 def _schedule(total: int, warmup: int) -> Callable[[int], float]:
@@ -191,7 +207,8 @@ def _run(
     dev: list[Features],
     config: TrainConfig,
     kind: str,
-    n_out: int,
+    labels: Sequence[Label],
+    metric: str,
     pooling: str,
     lr: float,
     seed: int,
@@ -205,6 +222,7 @@ def _run(
     assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
     torch.manual_seed(seed)
     device = resolve_device(config.device)
+    n_out = 1 if kind == "regression" else len(labels)
     model = TaskModel(copy.deepcopy(encoder.model), nn.Linear(encoder.hidden_size, n_out), kind, pooling).to(device)
     if config.dropout is not None:
         _set_dropout(model.encoder, config.dropout)
@@ -221,7 +239,7 @@ def _run(
     # it during the warm-up.
     epoch_steps = max(steps_per_epoch, int(total / config.epochs))
     eval_every = config.eval_every or max(1, min(1000, epoch_steps // 4))
-    pad_id, primary = int(encoder.tokenizer.pad_token_id or 0), PRIMARY[kind]
+    pad_id = int(encoder.tokenizer.pad_token_id or 0)
     rng = random.Random(seed)
     best: dict[str, Any] = {"score": -math.inf, "step": 0, "metrics": {}, "state": None}
     history: list[dict[str, float]] = []
@@ -260,22 +278,24 @@ def _run(
         evaluated = step % eval_every == 0 or step == total
         if evaluated:
             try:
-                metrics = last_dev = evaluate(model, dev, pad_id, should_stop=should_stop)
+                metrics = last_dev = evaluate(model, dev, pad_id, labels, should_stop=should_stop)
             except TrainingStopped:
                 bar.close()
                 raise TrainingStopped(step, total) from None
-            history.append({"step": step, "loss": running, f"dev_{primary}": metrics[primary]})
-            bar.set_postfix(loss=f"{running:.4f}", dev=f"{metrics[primary]:.4f}")
-            if metrics[primary] > best["score"]:
+            score = metrics[metric]
+            history.append({"step": step, "loss": running, f"dev_{metric}": score})
+            bar.set_postfix(loss=f"{running:.4f}", dev=f"{score:.4f}")
+            # A tie goes to the later checkpoint: on a small dev set (26 rows score in steps of 4%) ties are common,
+            # and of two checkpoints the dev set cannot tell apart, the one trained longer is the better bet. Only a
+            # strict gain resets the patience.
+            bad_evals = 0 if score > best["score"] else bad_evals + 1
+            if score >= best["score"]:
                 best = {
-                    "score": metrics[primary],
+                    "score": score,
                     "step": step,
                     "metrics": metrics,
                     "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                 }
-                bad_evals = 0
-            else:
-                bad_evals += 1
         # Reported at every evaluation and on a timer in between: the worker's lease heartbeat rides on this.
         if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
             last_report = time.perf_counter()
@@ -338,11 +358,18 @@ def train_patch(
     pooling = config.pooling or encoder.default_pooling
     if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
         raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
-    n_out = 1 if kind == "regression" else len(labels)
+    metric = selection_metric(kind, labels, config.metric)
     max_len = min(config.max_seq_length, encoder.max_positions)
     tok = encoder.tokenizer
     train_f, dev_f = featurize(tok, train, labels, max_len), featurize(tok, dev, labels, max_len)
-    config = config.resolved()
+    restarts = config.restarts_for(len(train))
+    why = (
+        f"set: restarts={restarts}"
+        if config.restarts is not None
+        else f"automatic: {len(train)} training rows are {'at most' if restarts > 1 else 'over'} "
+        f"{SMALL_DATA_ROWS}, so {restarts} seed(s)"
+    )
+    config = replace(config.resolved(), restarts=restarts)
     assert config.lr is not None
     lrs = config.lr_search or [config.lr]
     t0 = time.perf_counter()
@@ -353,7 +380,8 @@ def train_patch(
             dev_f,
             config,
             kind,
-            n_out,
+            labels,
+            metric,
             pooling,
             lr,
             config.seed + r,
@@ -362,10 +390,9 @@ def train_patch(
             should_stop,
         )
         for lr in lrs
-        for r in range(config.restarts)
+        for r in range(restarts)
     ]
-    primary = PRIMARY[kind]
-    best = max(runs, key=lambda r: r["best_dev"][primary])
+    best = max(runs, key=lambda r: r["best_dev"][metric])  # a tie keeps the earlier run: the seed asked for
     model: TaskModel = best["model"]
     report: dict[str, Any] = {
         "task": config.task,
@@ -386,18 +413,30 @@ def train_patch(
         "best_step": best["best_step"],
         "trainable_params": best["trainable_params"],
         "total_params": sum(p.numel() for p in model.parameters()),
+        "metric": metric,
         "dev": best["best_dev"],
+        "selection": {
+            "metric": metric,
+            "restarts": restarts,
+            "restarts_why": why,
+            "learning_rates": lrs,
+            "tried": len(runs),
+        },
         "seconds": time.perf_counter() - t0,
         "history": best["history"],
         "runs": [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs],
         "config": asdict(config),
     }
-    if test is not None:
-        test_f = featurize(tok, test, labels, max_len)
+    if test is not None:  # every run is scored, so the report shows what the restarts bought; the best one is chosen
+        test_f = featurize(tok, test, labels, max_len)  # on dev alone all the same
         try:
-            report["test"] = evaluate(model, test_f, int(tok.pad_token_id or 0), should_stop=should_stop)
+            for r, shown_run in zip(runs, report["runs"], strict=True):
+                shown_run["test"] = evaluate(
+                    r["model"], test_f, int(tok.pad_token_id or 0), labels, should_stop=should_stop
+                )
         except TrainingStopped:
             raise TrainingStopped(best["steps"], best["planned_steps"]) from None
+        report["test"] = next(shown["test"] for r, shown in zip(runs, report["runs"], strict=True) if r is best)
     report["bias_movement"] = bias_movement(model.encoder, encoder.model)
     for r in runs:
         if r is not best:
@@ -416,7 +455,8 @@ def train_patch(
         max_seq_length=max_len,
         text_pair=train.is_pair,
         metrics=metrics,
-        training={k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params")},
+        training={k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params", "metric")}
+        | {"restarts": restarts},
     )
     patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
     return TrainResult(patch, report, model)

@@ -23,7 +23,7 @@ from patches.format import Patch
 from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue, TrainConfig
 from patches.store import Registry
 from trainer.data import DataError, Dataset, job_splits
-from trainer.metrics import PRIMARY
+from trainer.metrics import selection_metric
 from trainer.train import TrainingStopped, progress_line, train_patch
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class Worker:
         try:
             train, dev, test = self._datasets(job, config)
             self.limits.check(config, len(train))  # a job queued past the server (patchserve submit) meets it here
+            selection_metric(train.kind, train.labels, config.metric)
         except DataError as exc:
             return "failed", {"error": f"bad data: {exc}"}
         except JobError as exc:
@@ -197,10 +198,12 @@ class Worker:
                 log.info("job %s: %s", job.id, progress_line(p))
 
         result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress, should_stop=stop)
-        report, primary = result.report, PRIMARY[result.report["kind"]]
+        report, primary = result.report, result.report["metric"]
         summary = {
+            "metric": primary,
             "dev": report["dev"],
             "test": report.get("test"),
+            "selection": report["selection"],
             "steps": report["steps"],
             "lr": report["lr"],
             "seed": report["seed"],
