@@ -184,7 +184,8 @@ def _set_rows(runs: list[dict]) -> list[str]:
     rows = []
     for ds in SETS:
         mine = [r for r in runs if r["set"] == ds]
-        if not mine:
+        if not mine:  # a gap stays visible
+            rows.append(f"| {ds} | - | - | - | - | - | - | 0 | - |")
             continue
         cell: dict[str, str] = {}
         mean: dict[str, float | None] = {}
@@ -208,12 +209,13 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
     lines = [
         "# Trainer quality: BitFit vs full fine-tuning of the same encoder",
         "",
-        "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test metric (accuracy, "
-        "Spearman x100 for STS-B) as mean ± std over seeds; minutes per run (wall clock) on the machine named. "
+        "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test score of the selection "
+        "metric (accuracy; Spearman x100 for STS-B; token accuracy for brown_pos, whose part-of-speech tags are "
+        "not BIO-style) as mean ± std over seeds; minutes per run (wall clock) on the machine named. "
         "One table per machine: runs on different machines are not averaged together.",
         "",
-        "Reproduce all of it with `python bench/quality.py` (4 sets x 3 modes x 3 seeds; resumable: every finished "
-        "run is appended to `docs/quality-runs.jsonl` and skipped next time on the same kind of device; add "
+        f"Reproduce all of it with `python bench/quality.py` ({len(SETS)} sets x 3 modes x 3 seeds; resumable: every "
+        "finished run is appended to `docs/quality-runs.jsonl` and skipped next time on the same kind of device; add "
         "`--device cuda` on a GPU). One cell: `python bench/quality.py --sets trec --modes bitfit --seeds 0`. Each "
         "run is the same as `patchserve train --task SET --train ../shared/data/SET/train.jsonl --dev "
         "…/dev.jsonl --test …/test.jsonl --seed N` (plus `--bias-subset query-intermediate` or `--full`).",

@@ -18,6 +18,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Annotated, Any, TypeVar
 
@@ -28,7 +29,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from patches.api import TERMINAL
 from patches.bitfit import BIAS_SUBSETS
 from patches.errors import InvalidTaskNameError, PatchServeError, describe_validation_errors
-from patches.format import KINDS, POOLINGS, shown, unprintable, validate_task_name
+from patches.format import KINDS, POOLINGS, Label, shown, unprintable, validate_task_name
 from patches.store.base import iso_time, redact_url
 from patches.store.redis import call_redis, parse_redis_url, run_transaction
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
@@ -73,7 +74,7 @@ MAX_RUNS = 100  # restarts x learning rates
 SMALL_DATA_ROWS = 1000
 SMALL_DATA_RESTARTS = 3
 # Dev metrics that may choose the checkpoint (`metric`), per task kind; the first is the kind's default, except
-# that tags in a BIO/IOB2/BIOES scheme default to entity_f1 (trainer.metrics.selection_metric).
+# that tags in a BIO/IOB2/BIOES scheme default to entity_f1 (TrainConfig.selection_metric).
 SELECTION_METRICS: dict[str, tuple[str, ...]] = {
     "classification": ("accuracy", "macro_f1"),
     "regression": ("spearman", "pearson"),
@@ -140,6 +141,23 @@ class TrainConfig:
             if not ok:
                 raise JobError(f"training config: {msg}")
 
+    def selection_metric(self, kind: str, labels: Sequence[Label]) -> str:
+        """The dev metric that chooses checkpoints and restarts for a task of ``kind`` with these labels (tags):
+        ``metric``, else accuracy, spearman, and for tags entity_f1 when BIO-style, else token_accuracy. A metric
+        that cannot score the task is a JobError (checked before any training)."""
+        if self.metric is None:
+            return (
+                "entity_f1" if kind == "token-classification" and is_bio_scheme(labels) else SELECTION_METRICS[kind][0]
+            )
+        if self.metric not in SELECTION_METRICS[kind]:
+            raise JobError(f"metric {self.metric!r} does not score a {kind} task; use one of {SELECTION_METRICS[kind]}")
+        if self.metric == "entity_f1" and not is_bio_scheme(labels):
+            raise JobError(
+                "metric 'entity_f1' needs tags in a BIO/IOB2/BIOES scheme (B-PER, I-PER, O...), got "
+                f"{shown(list(labels)[:10])}; use token_accuracy"
+            )
+        return self.metric
+
     def restarts_for(self, train_rows: int) -> int:
         """Seeds to train on ``train_rows`` rows: ``restarts``, or when unset SMALL_DATA_RESTARTS on small data."""
         if self.restarts is not None:
@@ -173,6 +191,18 @@ class TrainConfig:
     def from_dict(cls, raw: Any) -> TrainConfig:
         """A config from JSON (a job, the API); see ``_from_json``."""
         return _from_json(cls, raw, "training config")
+
+
+_SCHEME_TAG = re.compile(r"(?:[BIES]-.+|O)")  # IOB2, IOB1 and BIOES tags all look like this
+
+
+def is_bio_scheme(tags: Sequence[Label]) -> bool:
+    """Whether a tag set reads as entity spans (BIO / IOB2 / BIOES): every tag is O or B-/I-/E-/S-TYPE."""
+    return (
+        bool(tags)
+        and all(isinstance(t, str) and _SCHEME_TAG.fullmatch(t) for t in tags)
+        and any(t != "O" for t in tags)
+    )
 
 
 def _metric_kinds() -> set[str]:

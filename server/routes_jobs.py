@@ -13,7 +13,6 @@ from patches.jobs import Gate, JobError, JobQueue, TrainConfig
 from server.deps import AdminAuth, ReadAuth, ServiceDep
 from server.openapi import JobId, errors
 from trainer.data import job_splits
-from trainer.metrics import selection_metric
 
 router = APIRouter(tags=["jobs"])
 
@@ -56,7 +55,7 @@ async def submit_job(
     # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
     splits = await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
     svc.settings.job_limits.check(checked, len(splits.train))
-    selection_metric(splits.train.kind, splits.train.labels, checked.metric)  # entity_f1 on tags that are not BIO...
+    checked.selection_metric(splits.train.kind, splits.train.labels)  # entity_f1 on tags that are not BIO...
     job = await run_in_threadpool(queue.submit, raw, files, gate)
     return job.to_dict()
 

@@ -4,7 +4,7 @@ Follows the few-sample practices of Zhang et al. (ICLR 2021): bias-corrected Ada
 10% of steps then linear decay, gradient clipping at 1.0, a minimum number of update steps so small data sets
 train long enough, dev evaluation with early stopping and best-checkpoint restore (a tie goes to the later
 checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
-the best dev score of the task's selection metric (``trainer.metrics.selection_metric``). ``full=True``
+the best dev score of the task's selection metric (``TrainConfig.selection_metric``). ``full=True``
 fine-tunes every weight of the same encoder for comparison and returns a report only.
 """
 
@@ -31,7 +31,7 @@ from patches.format import BaseRef, Label, Patch, PatchMeta
 from patches.jobs import SMALL_DATA_ROWS, TrainConfig
 from patches.model import TaskModel
 from trainer.data import Dataset
-from trainer.metrics import classification_metrics, regression_metrics, selection_metric, tagging_metrics
+from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
 
 IGNORE = -100
 
@@ -358,7 +358,7 @@ def train_patch(
     pooling = config.pooling or encoder.default_pooling
     if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
         raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
-    metric = selection_metric(kind, labels, config.metric)
+    metric = config.selection_metric(kind, labels)
     max_len = min(config.max_seq_length, encoder.max_positions)
     tok = encoder.tokenizer
     train_f, dev_f = featurize(tok, train, labels, max_len), featurize(tok, dev, labels, max_len)

@@ -23,7 +23,6 @@ from patches.format import Patch
 from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue, TrainConfig
 from patches.store import Registry
 from trainer.data import DataError, Dataset, job_splits
-from trainer.metrics import selection_metric
 from trainer.train import TrainingStopped, progress_line, train_patch
 
 log = logging.getLogger(__name__)
@@ -179,7 +178,7 @@ class Worker:
         try:
             train, dev, test = self._datasets(job, config)
             self.limits.check(config, len(train))  # a job queued past the server (patchserve submit) meets it here
-            selection_metric(train.kind, train.labels, config.metric)
+            config.selection_metric(train.kind, train.labels)
         except DataError as exc:
             return "failed", {"error": f"bad data: {exc}"}
         except JobError as exc:
