@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from patches.encoder import load_encoder, resolve_device
-from patches.jobs import SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, TrainConfig
+from patches.jobs import SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from trainer.data import DataFile, load_splits
 from trainer.train import train_patch
 
@@ -64,35 +64,44 @@ def default_settings(mode: str) -> dict[str, Any]:
     return settings(TrainConfig(task="quality", **MODES[mode]))  # type: ignore[arg-type]
 
 
-def as_trained(run_settings: dict[str, Any], train_rows: float) -> dict[str, Any]:
-    """Settings as they acted on ``train_rows`` rows: an unset ``restarts`` is what it resolves to there (1 on
-    every full set, 3 on small data), and an unset ``metric`` -- or one recorded before the setting existed -- is
-    the kind's default, so older runs at the then-defaults still compare equal."""
+def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float) -> dict[str, Any]:
+    """Settings as they acted on a run with these row counts: an unset ``restarts`` is what it resolves to there
+    (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
+    unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
+    no ``checkpoint`` kept the best, no ``metric`` used the kind's default."""
     out = dict(run_settings)
     if out.get("restarts") is None:
         out["restarts"] = SMALL_DATA_RESTARTS if train_rows <= SMALL_DATA_ROWS else 1
+    if "checkpoint" not in out:
+        out["checkpoint"] = "best"
+    elif out["checkpoint"] is None:
+        out["checkpoint"] = "last" if dev_rows < SMALL_DEV_ROWS else "best"
     if out.get("metric") is None:
         out.pop("metric", None)
     return out
 
 
-def _train_rows(run: dict) -> float:
-    """Rows a recorded run trained on (few-sample runs record them; every set of the quality table is large)."""
-    return float(run.get("train_rows") or run.get("rows") or math.inf)
+def run_rows(run: dict) -> tuple[float, float]:
+    """(training rows, dev rows) of a recorded run: few-sample runs carve 10% of their rows as dev; the quality
+    table's sets are all large."""
+    if "rows" in run:
+        dev = max(1, round(0.1 * run["rows"]))
+        return run["rows"] - dev, dev
+    return float(run.get("train_rows") or math.inf), float(run.get("dev_rows") or math.inf)
 
 
 def is_current(run: dict) -> bool:
     """A run counts towards the table only if it was trained with today's defaults for its mode."""
-    rows = _train_rows(run)
-    return "settings" in run and as_trained(run["settings"], rows) == as_trained(default_settings(run["mode"]), rows)
+    rows = run_rows(run)
+    return "settings" in run and as_trained(run["settings"], *rows) == as_trained(default_settings(run["mode"]), *rows)
 
 
 def differences(run: dict) -> str:
     """How a run's settings differ from today's defaults for its mode ("lr=0.001, epochs=10")."""
     if "settings" not in run:
         return "unrecorded"
-    rows = _train_rows(run)
-    today, mine = as_trained(default_settings(run["mode"]), rows), as_trained(run["settings"], rows)
+    rows = run_rows(run)
+    today, mine = as_trained(default_settings(run["mode"]), *rows), as_trained(run["settings"], *rows)
     return ", ".join(f"{k}={v}" for k, v in mine.items() if today.get(k) != v) or "today's defaults"
 
 
@@ -130,13 +139,15 @@ def add_run_arguments(ap: argparse.ArgumentParser, records: str, example: str) -
     )
 
 
-def already_run(runs_file: Path, wanted: dict[str, Any], train_rows: float, device: torch.device, **key: Any) -> bool:
-    """Whether ``runs_file`` holds a run trained as ``wanted`` trains ``train_rows`` rows, on this kind of device,
-    with these fields (set, seed..)."""
-    goal = as_trained(wanted, train_rows)
+def already_run(
+    runs_file: Path, wanted: dict[str, Any], row_counts: tuple[float, float], device: torch.device, **key: Any
+) -> bool:
+    """Whether ``runs_file`` holds a run trained as ``wanted`` trains on ``row_counts`` (training, dev) rows, on this
+    kind of device, with these fields (set, seed..)."""
+    goal = as_trained(wanted, *row_counts)
     return any(
         "settings" in r
-        and as_trained(r["settings"], train_rows) == goal
+        and as_trained(r["settings"], *row_counts) == goal
         and device_type(r) == device.type
         and all(r.get(k) == v for k, v in key.items())
         for r in load_runs(runs_file)
@@ -280,7 +291,8 @@ def main() -> None:
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                 wanted = settings(config)
-                if already_run(runs_file, wanted, len(splits.train), device, set=ds, mode=mode, seed=seed):
+                rows = (len(splits.train), len(splits.dev))
+                if already_run(runs_file, wanted, rows, device, set=ds, mode=mode, seed=seed):
                     continue
                 t0 = time.perf_counter()
                 result = train_patch(encoder, splits.train, splits.dev, config, test=splits.test)
@@ -294,6 +306,7 @@ def main() -> None:
                     "dev": result.report["dev"][metric],
                     "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
                     "train_rows": len(splits.train),
+                    "dev_rows": len(splits.dev),
                     "steps": result.report["steps"],
                     "best_step": result.report["best_step"],
                     "lr": result.report["lr"],

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import redis
 from pydantic import ConfigDict, Field, ValidationError
@@ -73,6 +73,9 @@ MAX_RUNS = 100  # restarts x learning rates
 # (docs/few-sample.md measures it).
 SMALL_DATA_ROWS = 1000
 SMALL_DATA_RESTARTS = 3
+# A dev set this small scores in steps of several points (26 rows: 4 points, a standard error near 9), too coarse
+# to rank the checkpoints of one run: with no `checkpoint` given, such a run keeps its last checkpoint, not its best.
+SMALL_DEV_ROWS = 100
 # Dev metrics that may choose the checkpoint (`metric`), per task kind; the first is the kind's default, except
 # that tags in a BIO/IOB2/BIOES scheme default to entity_f1 (TrainConfig.selection_metric).
 SELECTION_METRICS: dict[str, tuple[str, ...]] = {
@@ -115,9 +118,10 @@ class TrainConfig:
     eval_every: _Steps | None = None  # updates between dev evaluations; None: 4 per (min_steps-stretched) epoch
     patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # evaluations without gain; None: 40 / 6
     full: bool = False  # fine-tune every weight (report only, for comparison)
-    metric: str | None = (
-        None  # the dev metric that picks checkpoints and restarts (SELECTION_METRICS); None: the kind's
-    )
+    # the dev metric that picks checkpoints and restarts (SELECTION_METRICS); None: the kind's default
+    metric: str | None = None
+    # which checkpoint of a run is kept: "best" (dev score) or "last"; None: last when dev has < SMALL_DEV_ROWS rows
+    checkpoint: Literal["best", "last"] | None = None
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -157,6 +161,13 @@ class TrainConfig:
                 f"{shown(list(labels)[:10])}; use token_accuracy"
             )
         return self.metric
+
+    def checkpoint_for(self, dev_rows: int) -> Literal["best", "last"]:
+        """Which checkpoint a run keeps with a dev set of ``dev_rows`` rows: ``checkpoint``, or when unset the last
+        one on a dev set too small to rank checkpoints (SMALL_DEV_ROWS), else the best."""
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return "last" if dev_rows < SMALL_DEV_ROWS else "best"
 
     def restarts_for(self, train_rows: int) -> int:
         """Seeds to train on ``train_rows`` rows: ``restarts``, or when unset SMALL_DATA_RESTARTS on small data."""

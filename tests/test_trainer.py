@@ -42,6 +42,7 @@ def _config(**kw) -> TrainConfig:
         "lr": 1e-2,
         "pooling": "mean",
         "restarts": 1,  # one seed unless a test is about restarts (small data would get 3)
+        "checkpoint": "best",  # these dev sets are tiny: by default they would keep the last checkpoint
     }
     return TrainConfig(**(base | kw))
 
@@ -439,3 +440,22 @@ def test_labels_keep_their_json_type(tmp_path, tiny_encoder):
     # a patch made before labels kept their type ("0", "1") still scores a file labelled 0/1
     feats = featurize(tiny_encoder.tokenizer, load_dataset(tmp_path / "n.jsonl", labels=["0", "1"]), ["0", "1"], 64)
     assert [f.label for f in feats] == [int(r["label"]) for r in numbers]
+
+
+def test_a_dev_set_too_small_to_rank_checkpoints_keeps_the_last_one(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=60, eval_every=20, checkpoint=None), test=dev)
+    report, history = result.report, result.report["history"]
+    assert (
+        report["selection"]["checkpoint"] == "last" and "16 rows (under 100)" in report["selection"]["checkpoint_why"]
+    )
+    assert report["best_step"] == 60 == history[-1]["step"]
+    assert report["dev"]["accuracy"] == history[-1]["dev_accuracy"] == report["test"]["accuracy"]  # dev is test here
+    # the patch is the last model: it scores on dev what the last evaluation scored
+    model = TaskModel.from_patch(copy.deepcopy(tiny_encoder.model), Patch.from_bytes(result.patch.data))
+    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 128)
+    assert evaluate(model, feats, 0, train.labels)["accuracy"] == history[-1]["dev_accuracy"]
+    assert TrainConfig(task="t").checkpoint_for(99) == "last" and TrainConfig(task="t").checkpoint_for(100) == "best"
+    assert TrainConfig(task="t", checkpoint="best").checkpoint_for(5) == "best"
+    with pytest.raises(JobError, match="checkpoint"):
+        TrainConfig.from_dict({"task": "t", "checkpoint": "first"})

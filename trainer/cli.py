@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from patches.cli import add_registry_option
-from patches.jobs import SELECTION_METRICS, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS
+from patches.jobs import SELECTION_METRICS, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
 
 SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "metric", "lr", "seed", "steps", "trainable_params", "seconds")
@@ -56,6 +56,12 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         help="train with seeds seed..seed+N-1 and keep the best dev score (default: "
         f"{SMALL_DATA_RESTARTS} when the training set has at most {SMALL_DATA_ROWS} rows, where runs vary most "
         "from seed to seed, else 1)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        choices=["best", "last"],
+        help="which checkpoint of a run to keep: its best dev score, or its last (default: last when the dev set "
+        f"has fewer than {SMALL_DEV_ROWS} rows, too few to rank checkpoints, else best)",
     )
     p.add_argument(
         "--metric",
@@ -114,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "dropout": args.dropout,
         "full": args.full,
         "metric": args.metric,
+        "checkpoint": args.checkpoint,
     }
     return cfg
 

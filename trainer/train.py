@@ -28,7 +28,7 @@ from patches.bitfit import bias_parameters, bias_roles, extract_patch, target_na
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
-from patches.jobs import SMALL_DATA_ROWS, TrainConfig
+from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel
 from trainer.data import Dataset
 from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
@@ -209,6 +209,7 @@ def _run(
     kind: str,
     labels: Sequence[Label],
     metric: str,
+    checkpoint: str,
     pooling: str,
     lr: float,
     seed: int,
@@ -216,7 +217,8 @@ def _run(
     progress_every_s: float,
     should_stop: StopFn,
 ) -> dict[str, Any]:
-    """One training run (one seed, one learning rate); returns the best model and its history.
+    """One training run (one seed, one learning rate); returns the kept model -- the best dev checkpoint, or with
+    ``checkpoint="last"`` the final one -- and its history.
 
     ``config`` is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
     assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
@@ -244,7 +246,7 @@ def _run(
     best: dict[str, Any] = {"score": -math.inf, "step": 0, "metrics": {}, "state": None}
     history: list[dict[str, float]] = []
     order: list[int] = []
-    bad_evals, step, running = 0, 0, 0.0
+    bad_evals, step, running, last_eval = 0, 0, 0.0, 0
     bar = tqdm(
         total=total,
         desc=f"{config.task} seed={seed} lr={lr:g}",
@@ -294,8 +296,11 @@ def _run(
                     "score": score,
                     "step": step,
                     "metrics": metrics,
-                    "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "state": None
+                    if checkpoint == "last"
+                    else {k: v.detach().clone() for k, v in model.state_dict().items()},
                 }
+            last_eval = step
         # Reported at every evaluation and on a timer in between: the worker's lease heartbeat rides on this.
         if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
             last_report = time.perf_counter()
@@ -303,15 +308,20 @@ def _run(
         if bad_evals >= config.patience:
             break
     bar.close()
-    model.load_state_dict(best["state"])  # best-checkpoint restore
+    if checkpoint == "best":
+        model.load_state_dict(best["state"])  # best-checkpoint restore
+        kept_dev, kept_step = best["metrics"], best["step"]
+    else:  # the run always ends on an evaluation (the last update, or the one that exhausted the patience)
+        assert last_dev is not None
+        kept_dev, kept_step = last_dev, last_eval
     model.eval()
     return {
         "model": model,
         "seed": seed,
         "lr": lr,
         "head_lr": head_lr,
-        "best_dev": best["metrics"],
-        "best_step": best["step"],
+        "best_dev": kept_dev,
+        "best_step": kept_step,
         "steps": step,
         "planned_steps": total,
         "seconds": time.perf_counter() - t0,
@@ -369,7 +379,18 @@ def train_patch(
         else f"automatic: {len(train)} training rows are {'at most' if restarts > 1 else 'over'} "
         f"{SMALL_DATA_ROWS}, so {restarts} seed(s)"
     )
-    config = replace(config.resolved(), restarts=restarts)
+    checkpoint = config.checkpoint_for(len(dev))
+    kept_why = (
+        f"set: checkpoint={checkpoint}"
+        if config.checkpoint is not None
+        else f"automatic: a dev set of {len(dev)} rows "
+        + (
+            f"(under {SMALL_DEV_ROWS}) cannot rank checkpoints, so the last one is kept"
+            if checkpoint == "last"
+            else "ranks checkpoints, so the best one is kept"
+        )
+    )
+    config = replace(config.resolved(), restarts=restarts, checkpoint=checkpoint)
     assert config.lr is not None
     lrs = config.lr_search or [config.lr]
     t0 = time.perf_counter()
@@ -382,6 +403,7 @@ def train_patch(
             kind,
             labels,
             metric,
+            checkpoint,
             pooling,
             lr,
             config.seed + r,
@@ -419,6 +441,8 @@ def train_patch(
             "metric": metric,
             "restarts": restarts,
             "restarts_why": why,
+            "checkpoint": checkpoint,
+            "checkpoint_why": kept_why,
             "learning_rates": lrs,
             "tried": len(runs),
         },
