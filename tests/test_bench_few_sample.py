@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.few_sample import sample, write_table
-from bench.quality import already_run, default_settings, record_run
+from bench.quality import already_run, default_settings, differences, is_current, record_run
 from tests.helpers import synthetic_rows, write_jsonl
 from trainer.data import load_dataset
 
@@ -26,29 +26,49 @@ def test_a_seed_draws_the_same_rows_and_keeps_the_whole_label_set(tmp_path):
 def test_table_groups_runs_by_settings_and_lists_notes(tmp_path):
     today = default_settings("bitfit")
     run = {"set": "trec", "rows": 256, "mode": "bitfit", "metric": "accuracy", "planned_steps": 600, "device": "cpu"}
+    seeds = [[{"seed": 0, "test": 0.9, "dev": 0.95}, {"seed": 1, "test": 0.8, "dev": 0.9}]]
+    seeds += [[{"seed": 1, "test": 0.92, "dev": 0.97}, {"seed": 2, "test": 0.96, "dev": 0.9}]]
     runs = [
-        run | {"seed": 0, "test": 0.9, "dev": 0.95, "steps": 600, "best_step": 200, "seconds": 60, "settings": today},
-        run | {"seed": 1, "test": 0.92, "dev": 0.97, "steps": 600, "best_step": 300, "seconds": 60, "settings": today},
+        run
+        | {"seed": 0, "test": 0.9, "dev": 0.95, "steps": 600, "best_step": 200, "seconds": 60, "settings": today}
+        | {"restarts": seeds[0]},
+        run
+        | {"seed": 1, "test": 0.92, "dev": 0.97, "steps": 600, "best_step": 300, "seconds": 60, "settings": today}
+        | {"restarts": seeds[1]},
         run
         | {"seed": 0, "test": 0.8, "dev": 0.9, "steps": 150, "best_step": 30, "seconds": 30, "note": "old schedule"}
         | {"settings": today | {"eval_every": 3}},
     ]
     write_table(runs, tmp_path / "t.md", "cmd")
     text = (tmp_path / "t.md").read_text()
-    assert "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 96.0 | 600 / 600 | 250 | 2 | 1.0 | cpu |" in text
-    assert "| trec | 256 | bitfit | eval_every=3 | 80.0 | 90.0 | 150 / 600 | 30 | 1 | 0.5 | cpu |" in text
+    # first seed alone: 90 and 92; seeds' mean per run: 85 and 94
+    row = "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 96.0 | 91.0 ± 1.4 | 89.5 ± 6.4 | 600 / 600 | 250 |"
+    assert row + " 2 | 1.0 | cpu |" in text
+    assert "| trec | 256 | bitfit | eval_every=3 | 80.0 | 90.0 | - | - | 150 / 600 | 30 | 1 | 0.5 | cpu |" in text
     assert "- eval_every=3: old schedule" in text
+
+
+def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
+    # a quality-table run (a large set) recorded with restarts=1 and no checkpoint or metric ran as today's defaults
+    # do there; a 256-row run recorded the same way did not (today: 3 seeds and the last checkpoint)
+    old = default_settings("bitfit") | {"restarts": 1}
+    del old["checkpoint"], old["metric"]
+    assert is_current({"mode": "bitfit", "settings": old})
+    assert differences({"mode": "bitfit", "rows": 256, "settings": old}) == "restarts=1, checkpoint=best"
+    assert is_current({"mode": "bitfit", "rows": 256, "settings": default_settings("bitfit")})
 
 
 def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys):
     runs_file, today, cpu = tmp_path / "runs.jsonl", default_settings("bitfit"), torch.device("cpu")
     seen: list[list[dict]] = []
-    assert not already_run(runs_file, today, cpu, set="trec", rows=256, seed=0)  # no file yet
+    small = (230, 26)  # 256 rows: training and carved dev
+    assert not already_run(runs_file, today, small, cpu, set="trec", rows=256, seed=0)  # no file yet
     record_run({"set": "trec", "rows": 256, "seed": 0, "settings": today}, cpu, "shared", runs_file, seen.append)
     rec = json.loads(runs_file.read_text())
     assert rec["device"] == "cpu" and rec["note"] == "shared" and "device_name" not in rec
     assert seen == [[rec]] and json.loads(capsys.readouterr().out) == rec
-    assert already_run(runs_file, today, cpu, set="trec", rows=256, seed=0)
-    assert not already_run(runs_file, today, cpu, set="trec", rows=64, seed=0)
-    assert not already_run(runs_file, today | {"eval_every": 3}, cpu, set="trec", rows=256, seed=0)
-    assert not already_run(runs_file, today, torch.device("cuda"), set="trec", rows=256, seed=0)
+    assert already_run(runs_file, today, small, cpu, set="trec", rows=256, seed=0)
+    assert not already_run(runs_file, today, small, cpu, set="trec", rows=64, seed=0)
+    assert not already_run(runs_file, today | {"eval_every": 3}, small, cpu, set="trec", rows=256, seed=0)
+    assert not already_run(runs_file, today | {"restarts": 1}, small, cpu, set="trec", rows=256, seed=0)
+    assert not already_run(runs_file, today, small, torch.device("cuda"), set="trec", rows=256, seed=0)
