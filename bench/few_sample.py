@@ -44,7 +44,7 @@ from trainer.train import train_patch
 RESTART_NOTE = (
     "Runs with restarts=1 were recorded before 2026-11-23: one seed, the best dev checkpoint, and a dev tie kept the "
     "earlier checkpoint. Since then a tie keeps the later one, and on data this small today's defaults train 3 seeds "
-    "(at most 1,000 training rows) and keep each run's last checkpoint (a dev set under 100 rows cannot rank "
+    "(under 1,000 training rows) and keep each run's last checkpoint (a dev set under 100 rows cannot rank "
     "checkpoints), choosing the seed with the best dev score. `restarts` in each run's record lists every seed's dev "
     "and test score."
 )

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from patches.encoder import load_encoder, resolve_device
-from patches.jobs import SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
+from patches.jobs import TrainConfig
 from trainer.data import DataFile, load_splits
 from trainer.train import train_patch
 
@@ -71,14 +71,17 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default."""
     out = dict(run_settings)
     if out.get("restarts") is None:
-        out["restarts"] = SMALL_DATA_RESTARTS if train_rows <= SMALL_DATA_ROWS else 1
+        out["restarts"] = RESOLVER.restarts_for(train_rows)  # type: ignore[arg-type]
     if "checkpoint" not in out:
         out["checkpoint"] = "best"
     elif out["checkpoint"] is None:
-        out["checkpoint"] = "last" if dev_rows < SMALL_DEV_ROWS else "best"
+        out["checkpoint"] = RESOLVER.checkpoint_for(dev_rows)  # type: ignore[arg-type]
     if out.get("metric") is None:
         out.pop("metric", None)
     return out
+
+
+RESOLVER = TrainConfig(task="quality")  # resolves an unset restarts / checkpoint exactly as the trainer does
 
 
 def run_rows(run: dict) -> tuple[float, float]:

@@ -68,7 +68,7 @@ FULL_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "epochs": 5.0, "patience": 6}
 # forever or failing late. What a deployment allows a job to cost in total is the operator's ``JobLimits``.
 MAX_UPDATES_PER_RUN = 10_000_000
 MAX_RUNS = 100  # restarts x learning rates
-# Small data is where fine-tuning is unstable across seeds (Zhang et al., ICLR 2021): with at most this many
+# Small data is where fine-tuning is unstable across seeds (Zhang et al., ICLR 2021): with fewer than this many
 # training rows and no `restarts` given, a config trains SMALL_DATA_RESTARTS seeds and keeps the best dev score
 # (docs/few-sample.md measures it).
 SMALL_DATA_ROWS = 1000
@@ -173,7 +173,7 @@ class TrainConfig:
         """Seeds to train on ``train_rows`` rows: ``restarts``, or when unset SMALL_DATA_RESTARTS on small data."""
         if self.restarts is not None:
             return self.restarts
-        return SMALL_DATA_RESTARTS if train_rows <= SMALL_DATA_ROWS else 1
+        return SMALL_DATA_RESTARTS if train_rows < SMALL_DATA_ROWS else 1
 
     def runs(self, train_rows: int) -> int:
         """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""

@@ -356,9 +356,9 @@ def test_small_data_restarts_automatically_and_the_report_says_why(tmp_path, tin
     assert all(set(r["test"]) == {"accuracy", "macro_f1"} for r in report["runs"])  # each restart scored on test
     chosen = next(r for r in report["runs"] if r["seed"] == report["seed"])
     assert report["test"] == chosen["test"] and result.patch.meta.training["restarts"] == 3
-    # the rule itself: small data (at most 1,000 rows) gets 3 seeds, more data 1, and a set value always wins
+    # the rule itself: small data (under 1,000 rows) gets 3 seeds, more data 1, and a set value always wins
     config = TrainConfig(task="t")
-    assert (config.restarts_for(1000), config.restarts_for(1001), config.runs(10)) == (3, 1, 3)
+    assert (config.restarts_for(999), config.restarts_for(1000), config.runs(10)) == (3, 1, 3)
     assert TrainConfig(task="t", restarts=2, lr_search=[1e-3, 2e-3]).runs(10) == 4
     assert TrainConfig(task="t", restarts=1).restarts_for(10) == 1
 

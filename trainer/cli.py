@@ -54,7 +54,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--restarts",
         type=int,
         help="train with seeds seed..seed+N-1 and keep the best dev score (default: "
-        f"{SMALL_DATA_RESTARTS} when the training set has at most {SMALL_DATA_ROWS} rows, where runs vary most "
+        f"{SMALL_DATA_RESTARTS} when the training set has fewer than {SMALL_DATA_ROWS} rows, where runs vary most "
         "from seed to seed, else 1)",
     )
     p.add_argument(

@@ -376,7 +376,7 @@ def train_patch(
     why = (
         f"set: restarts={restarts}"
         if config.restarts is not None
-        else f"automatic: {len(train)} training rows are {'at most' if restarts > 1 else 'over'} "
+        else f"automatic: {len(train)} training rows are {'under' if restarts > 1 else 'at least'} "
         f"{SMALL_DATA_ROWS}, so {restarts} seed(s)"
     )
     checkpoint = config.checkpoint_for(len(dev))
