@@ -83,6 +83,7 @@ SELECTION_METRICS: dict[str, tuple[str, ...]] = {
     "regression": ("spearman", "pearson"),
     "token-classification": ("token_accuracy", "entity_f1"),
 }
+METRIC_NAMES = sorted({m for names in SELECTION_METRICS.values() for m in names})
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # a bool is not an int, "5" is not a number, NaN is refused
 _Steps = Annotated[int, Field(ge=1, le=MAX_UPDATES_PER_RUN)]
 _Rate = Annotated[float, Field(gt=0, le=1)]
@@ -133,12 +134,8 @@ class TrainConfig:
             (self.bias_subset in BIAS_SUBSETS, f"bias_subset must be one of {sorted(BIAS_SUBSETS)}"),
             (self.pooling is None or self.pooling in POOLINGS, f"pooling must be one of {list(POOLINGS)}"),
             (self.kind in (None, *KINDS), f"kind must be one of {list(KINDS)}"),
-            (self.metric is None or self.metric in _metric_kinds(), f"metric must be one of {sorted(_metric_kinds())}"),
-            (
-                self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind],
-                f"metric {self.metric!r} does not score a {self.kind} task; use one of "
-                f"{list(SELECTION_METRICS.get(self.kind or '', ()))}",
-            ),
+            (self.metric is None or self.metric in METRIC_NAMES, f"metric must be one of {METRIC_NAMES}"),
+            (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
         ]
         for ok, msg in checks:
@@ -154,7 +151,7 @@ class TrainConfig:
                 "entity_f1" if kind == "token-classification" and is_bio_scheme(labels) else SELECTION_METRICS[kind][0]
             )
         if self.metric not in SELECTION_METRICS[kind]:
-            raise JobError(f"metric {self.metric!r} does not score a {kind} task; use one of {SELECTION_METRICS[kind]}")
+            raise JobError(f"training config: {_misfit(self, kind)}")
         if self.metric == "entity_f1" and not is_bio_scheme(labels):
             raise JobError(
                 "metric 'entity_f1' needs tags in a BIO/IOB2/BIOES scheme (B-PER, I-PER, O...), got "
@@ -216,17 +213,18 @@ def is_bio_scheme(tags: Sequence[Label]) -> bool:
     )
 
 
-def _metric_kinds() -> set[str]:
-    return {m for names in SELECTION_METRICS.values() for m in names}
+def _misfit(config: TrainConfig, kind: str | None = None) -> str:
+    """The message for a ``metric`` that does not score a task of ``kind`` (default: the config's own kind)."""
+    kind = kind or config.kind or ""
+    return f"metric {config.metric!r} does not score a {kind} task; use one of {list(SELECTION_METRICS.get(kind, ()))}"
 
 
 @pydantic_dataclass(config=_STRICT)
 class Gate:
     """When a trained patch may be registered."""
 
-    min_dev: float | None = (
-        None  # the dev score of the selection metric (accuracy, Spearman, entity F1...) must reach this
-    )
+    # the dev score of the selection metric (accuracy, Spearman, entity F1...) must reach this
+    min_dev: float | None = None
     not_worse: bool = False  # ... and must not be below the current version's recorded dev score
 
     @classmethod

@@ -259,6 +259,8 @@ def test_cli_submit_checks_the_data_before_queueing(redis_ns, tmp_path, tiny_enc
     assert "missing.jsonl: cannot read" in capsys.readouterr().err
     assert main([*argv, "--train", str(train), "--kind", "regression"]) == 1  # --kind reaches the job's check
     assert "is not a number (this is a regression task)" in capsys.readouterr().err
+    assert main([*argv, "--train", str(train), "--metric", "entity_f1"]) == 1  # the kind comes from the data
+    assert "metric 'entity_f1' does not score a classification task" in capsys.readouterr().err
     assert queue.list() == []
 
     assert main([*argv, "--train", str(train), "--dev", str(dev), "--min-dev", "0.5"]) == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from patches.cli import add_registry_option
-from patches.jobs import SELECTION_METRICS, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
+from patches.jobs import METRIC_NAMES, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
 
 SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "metric", "lr", "seed", "steps", "trainable_params", "seconds")
@@ -65,7 +65,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--metric",
-        choices=sorted({m for names in SELECTION_METRICS.values() for m in names}),
+        choices=METRIC_NAMES,
         help="the dev metric that picks the best checkpoint and restart (default: accuracy for classification, "
         "spearman for regression, entity_f1 for BIO/IOB2/BIOES tags, else token_accuracy)",
     )
@@ -303,7 +303,8 @@ def _submit(args: argparse.Namespace) -> int:
             files[role] = (Path(path).name, DataFile.read(path).data)
     config = config_from_args(args)
     checked = TrainConfig.from_dict(config)
-    job_splits(files, kind=checked.kind, seed=checked.seed)  # bad data is refused here, not later in a worker
+    splits = job_splits(files, kind=checked.kind, seed=checked.seed)  # bad data is refused here, not later in a worker
+    checked.selection_metric(splits.train.kind, splits.train.labels)  # and a metric that cannot score it
     gate = {"min_dev": args.min_dev, "not_worse": args.not_worse}
     job = JobQueue(_queue_url(args)).submit(config, files, gate)
     print(json.dumps({"id": job.id, "task": job.task, "status": job.status}))

@@ -56,7 +56,7 @@ def regression_metrics(preds: np.ndarray, golds: np.ndarray) -> dict[str, float]
     }
 
 
-def classification_metrics(preds: np.ndarray, golds: np.ndarray, n_labels: int) -> dict[str, float]:
+def classification_metrics(preds: np.ndarray, golds: np.ndarray) -> dict[str, float]:
     """Accuracy and macro-F1 over the labels that occur in gold or predictions (scikit-learn's convention)."""
     if not golds.size:
         return {"accuracy": 0.0, "macro_f1": 0.0}

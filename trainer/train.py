@@ -168,7 +168,7 @@ def evaluate(
     pred, gold = np.concatenate(preds), np.concatenate(golds)
     if model.kind == "regression":
         return regression_metrics(pred, gold)
-    return classification_metrics(pred, gold, len(labels))
+    return classification_metrics(pred, gold)
 
 
 def _schedule(total: int, warmup: int) -> Callable[[int], float]:
