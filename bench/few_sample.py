@@ -87,8 +87,7 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
     for r in runs:
         groups.setdefault((r["set"], r["rows"], r["mode"], differences(r), device_of(r)), []).append(r)
     for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
-        test = [100 * r["test"] for r in grp]
-        spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
+        test = _mean_std([100 * r["test"] for r in grp])
         several = [r["restarts"] for r in grp if len(r.get("restarts", [])) > 1]
         first = _mean_std([100 * seeds[0]["test"] for seeds in several])
         seeds_mean = _mean_std([100 * statistics.mean(s["test"] for s in seeds) for seeds in several])
@@ -98,7 +97,7 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
         best = statistics.mean(r["best_step"] for r in grp)
         minutes = statistics.mean(r["seconds"] / 60 for r in grp)
         lines.append(
-            f"| {ds} | {rows} | {mode} | {diff} | {statistics.mean(test):.1f}{spread} | {dev:.1f} | {first} | "
+            f"| {ds} | {rows} | {mode} | {diff} | {test} | {dev:.1f} | {first} | "
             f"{seeds_mean} | {steps:.0f} / {planned:.0f} | {best:.0f} | {len(grp)} | {minutes:.1f} | {device} |"
         )
     notes = sorted({f"{differences(r)}: {r['note']}" for r in runs if r.get("note")})
