@@ -25,6 +25,35 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks"
 DATA = ROOT.parent / "shared" / "data"
 
+# --model FREE: a model that costs almost nothing (the default encoder's real tokenizer over a random BERT of one
+# layer, hidden 32), so that a benchmark of the server measures what is around the model, not the model
+FREE_MODEL = "FREE"
+FREE_CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 512,
+}
+
+
+def random_bert_folder(folder: Path, seed: int = 0, **config: Any) -> Path:
+    """A random BERT of ``config`` with the default encoder's tokenizer (a real WordPiece vocabulary of 30,522
+    tokens), saved as a Hugging Face folder: real tokenising, synthetic weights."""
+    from transformers import AutoTokenizer
+
+    from patches.encoder import default_encoder_path
+    from patches.synthetic import random_bert
+
+    return random_bert(folder, AutoTokenizer.from_pretrained(default_encoder_path()), seed=seed, **config)
+
+
+def model_source(model: str, work: Path) -> str:
+    """What ``--model`` names as a source the server loads: FREE is built under ``work``; anything else as given."""
+    if model != FREE_MODEL:
+        return model
+    return str(random_bert_folder(work / "free-model", **FREE_CONFIG))
+
 
 def sentences(data: Path, seed: int) -> list[str]:
     """Every dev sentence of the shared sets (text, or a tagging set's tokens joined), shuffled."""

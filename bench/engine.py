@@ -45,8 +45,8 @@ from patches.bitfit import apply_biases, base_biases
 from patches.encoder import Encoder, load_encoder
 from patches.format import Patch
 from patches.model import pool
+from patches.synthetic import random_patch
 from server.engine.runner import Row, Runner
-from tests.helpers import make_patch
 
 OUT = ROOT / "docs" / "benchmarks"
 PATHS = ("plain", "naive", "engine")
@@ -64,7 +64,9 @@ class Paths:
         self.naive = naive_enc.model.to(self.device, self.dtype).eval()
         self.encoder: Encoder = self.plain_enc
         self.patches = [
-            make_patch(self.plain_enc, f"task{i}", seed=i, scale=0.05, subset="all" if i % 2 else "query-intermediate")
+            random_patch(
+                self.plain_enc, f"task{i}", seed=i, scale=0.05, subset="all" if i % 2 else "query-intermediate"
+            )
             for i in range(n_tasks)
         ]
         base = base_biases(self.naive)

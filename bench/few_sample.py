@@ -36,9 +36,9 @@ from bench.quality import (
     run_rows,
     settings,
 )
+from patches.data import Dataset, load_dataset, split_dev
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
-from trainer.data import Dataset, load_dataset, split_dev
 from trainer.train import train_patch
 
 RESTART_NOTE = (

@@ -50,7 +50,8 @@ from bench.common import (
     wrk_script,
 )
 from patches.encoder import load_encoder
-from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
+from patches.synthetic import random_patch
+from patchserve.local import free_port, patchserve_process, wait_ready
 
 KEYS = ("concurrency", "tasks", "inputs")
 
@@ -230,7 +231,7 @@ def main() -> None:
     n_tasks = max(task_counts)
     texts = sentences(args.data, args.seed)
     encoder = load_encoder(args.model)
-    patches = [make_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(n_tasks)]
+    patches = [random_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(n_tasks)]
     del encoder
     work = Path(tempfile.mkdtemp(prefix="bench-http-"))
     registry = f"disk://{work / 'registry'}"

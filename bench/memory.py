@@ -33,12 +33,13 @@ from typing import Any
 
 import httpx
 
-from bench.common import OUT, append_run, latest_run, percentile, plot_cdf, pyplot, server_figures
+from bench.common import OUT, append_run, latest_run, percentile, plot_cdf, pyplot, random_bert_folder, server_figures
 from bench.soak import rss_mb
 from patches.encoder import load_encoder
 from patches.store import open_registry
+from patches.synthetic import random_patch
+from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
 from server.engine.runner import Runner
-from tests.helpers import free_port, make_patch, make_tiny_bert_folder, patchserve_process, start_redis, wait_ready
 
 BERT_BASE = {
     "hidden_size": 768,
@@ -54,7 +55,7 @@ def sizing(models: dict[str, str]) -> list[dict[str, Any]]:
     out = []
     for name, source in models.items():
         encoder = load_encoder(source)
-        patch = make_patch(encoder, "size")
+        patch = random_patch(encoder, "size")
         row: dict[str, Any] = {"kind": "sizing", "encoder": name, "patch_file_bytes": len(patch.data)}
         row["biases"] = sum(t.numel() for t in patch.biases.values())
         for dtype in ("float32", "bfloat16"):
@@ -74,7 +75,7 @@ def capacity(folder: Path, n: int, work: Path, samples: int) -> dict[str, Any]:
         registry = open_registry(url)
         t0 = time.perf_counter()
         for i in range(n):
-            registry.put(make_patch(encoder, f"task{i}", subset="query-intermediate", seed=i + 1, scale=0.2))
+            registry.put(random_patch(encoder, f"task{i}", subset="query-intermediate", seed=i + 1, scale=0.2))
         fill_s = time.perf_counter() - t0
         registry.close()
         del encoder
@@ -120,7 +121,7 @@ def capacity(folder: Path, n: int, work: Path, samples: int) -> dict[str, Any]:
 def cold(backend: str, url: str, n: int, work: Path) -> dict[str, Any]:
     """Register ``n`` tasks over HTTP, then ask each once (cold) and once more (warm)."""
     encoder = load_encoder("default")
-    datas = [make_patch(encoder, f"cold{i}", seed=i + 1, scale=0.05).data for i in range(n)]
+    datas = [random_patch(encoder, f"cold{i}", seed=i + 1, scale=0.05).data for i in range(n)]
     del encoder
     port = free_port()
     serve = ["serve", "--port", str(port), "--device", "cpu", "--slots", str(n), "--registry", url]
@@ -273,7 +274,7 @@ def main() -> None:
     if args.quick:
         args.capacity, args.samples, args.register = "1000", 20, 100
     work = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-    bert_base = make_tiny_bert_folder(work / "bert-base", seed=3, **BERT_BASE)
+    bert_base = random_bert_folder(work / "bert-base", seed=3, **BERT_BASE)
     rows: list[dict[str, Any]] = sizing({"all-MiniLM-L6-v2 (default)": "default", "bert-base": str(bert_base)})
     rows += [capacity(bert_base, int(n), work, args.samples) for n in args.capacity.split(",")]
     for backend in args.backends.split(","):

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from patches.data import DataFile, load_splits
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
-from trainer.data import DataFile, load_splits
 from trainer.train import train_patch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,7 +42,8 @@ import httpx
 from bench.common import DATA, percentile, sentences
 from patches.encoder import load_encoder
 from patches.format import Patch
-from tests.helpers import free_port, make_patch, patchserve_process, start_redis, wait_ready
+from patches.synthetic import random_patch
+from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
@@ -280,10 +281,10 @@ def main() -> None:
 
     encoder = load_encoder(args.model)
     patches = [
-        [make_patch(encoder, f"task{i}", seed=2 * i + v + 1, scale=0.05).data for v in range(2)]
+        [random_patch(encoder, f"task{i}", seed=2 * i + v + 1, scale=0.05).data for v in range(2)]
         for i in range(args.tasks)
     ]
-    one = make_patch(encoder, "big", seed=99, scale=0.05)  # a task that reads 512 tokens: the most work allowed
+    one = random_patch(encoder, "big", seed=99, scale=0.05)  # a task that reads 512 tokens: the most work allowed
     big = Patch(replace(one.meta, max_seq_length=512), one.biases, one.head_weight, one.head_bias).data
     del encoder
     texts = sentences(DATA, args.seed)

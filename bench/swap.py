@@ -52,7 +52,8 @@ from bench.common import (
     wrk_script,
 )
 from patches.encoder import load_encoder
-from tests.helpers import free_port, make_patch, patchserve_process, start_redis, wait_ready
+from patches.synthetic import random_patch
+from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
 
 TRAFFIC_TASKS = 8
 
@@ -142,13 +143,13 @@ async def load_phase(b: str, script: Path, args: argparse.Namespace, a: str | No
 
 
 def backend_run(name: str, url: str, args: argparse.Namespace, work: Path, encoder: Any, texts: list[str]) -> dict:
-    traffic = [make_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(TRAFFIC_TASKS)]
-    fill_registry(url, [*traffic, make_patch(encoder, "swap", seed=10_000, scale=0.05)])
+    traffic = [random_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(TRAFFIC_TASKS)]
+    fill_registry(url, [*traffic, random_patch(encoder, "swap", seed=10_000, scale=0.05)])
     seed = iter(range(20_000, 10**9))
-    swap_patches = [make_patch(encoder, "swap", seed=next(seed), scale=0.05).data for _ in range(args.swaps)]
+    swap_patches = [random_patch(encoder, "swap", seed=next(seed), scale=0.05).data for _ in range(args.swaps)]
     n_regs = int(args.phase_seconds * args.repeats) + 2
     reg_patches = [
-        make_patch(encoder, f"task{i % TRAFFIC_TASKS}", seed=next(seed), scale=0.05).data for i in range(n_regs)
+        random_patch(encoder, f"task{i % TRAFFIC_TASKS}", seed=next(seed), scale=0.05).data for i in range(n_regs)
     ]
     rng = random.Random(args.seed)
     script = wrk_script(

@@ -30,10 +30,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from patches.data import load_dataset
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from patches.model import TaskModel
-from trainer.data import load_dataset
 from trainer.train import collate, featurize, loss_fn, trainable_parameters
 
 OUT = ROOT / "docs" / "benchmarks"

@@ -21,6 +21,7 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY, RequestBody
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from patches import __version__
+from patches.data import DataError
 from patches.encoder import Encoder, load_encoder
 from patches.errors import (
     InvalidTaskNameError,
@@ -48,7 +49,6 @@ from server.predict import InputError
 from server.routes import router
 from server.routes_jobs import router as jobs_router
 from server.settings import ServerSettings
-from trainer.data import DataError
 
 log = logging.getLogger("patchserve")
 

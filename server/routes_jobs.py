@@ -8,11 +8,11 @@ from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
 from patches.api import JobPublic
+from patches.data import job_splits
 from patches.format import strict_json
 from patches.jobs import Gate, JobError, JobQueue, TrainConfig
 from server.deps import AdminAuth, ReadAuth, ServiceDep
 from server.openapi import JobId, errors
-from trainer.data import job_splits
 
 router = APIRouter(tags=["jobs"])
 

@@ -10,8 +10,8 @@ import torch
 
 from bench.few_sample import sample, write_table
 from bench.quality import already_run, default_settings, differences, is_current, record_run
+from patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
-from trainer.data import load_dataset
 
 
 def test_a_seed_draws_the_same_rows_and_keeps_the_whole_label_set(tmp_path):

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from patches.api import PredictRequest
+from patches.data import DataError, DataFile, job_splits, parse_dataset
 from patches.errors import PatchError
 from patches.format import METADATA_KEY, Patch, PatchMeta
 from patches.jobs import Gate, JobError, TrainConfig
 from server.predict import InputError, normalise_inputs
 from tests.helpers import make_patch
-from trainer.data import DataError, DataFile, job_splits, parse_dataset
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

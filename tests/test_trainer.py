@@ -10,12 +10,12 @@ import redis
 import torch
 
 from patches.bitfit import bias_parameters, target_names
+from patches.data import DataError, load_dataset, split_dev
 from patches.format import Patch
 from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
 from patches.model import TaskModel
 from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
 from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
-from trainer.data import DataError, load_dataset, split_dev
 from trainer.metrics import classification_metrics, tagging_metrics
 from trainer.train import evaluate, featurize, train_patch
 

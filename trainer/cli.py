@@ -148,9 +148,9 @@ def progress_logger(every_s: float = 30.0) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from patches.data import DataFile, load_splits
     from patches.encoder import load_encoder
     from patches.jobs import TrainConfig
-    from trainer.data import DataFile, load_splits
     from trainer.report import write_json, write_png
     from trainer.train import train_patch
 
@@ -222,10 +222,10 @@ def _deliver(patch: Any, out: Path | None, registry: Any, args: argparse.Namespa
 def _eval(args: argparse.Namespace) -> int:
     import copy
 
+    from patches.data import load_dataset
     from patches.encoder import load_encoder
     from patches.format import Patch
     from patches.model import TaskModel
-    from trainer.data import load_dataset
     from trainer.train import evaluate, featurize
 
     patch = Patch.read(args.patch)
@@ -293,8 +293,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from patches.data import DataFile, job_splits
     from patches.jobs import JobQueue, TrainConfig
-    from trainer.data import DataFile, job_splits
 
     files = {}
     for role in ("train", "dev", "test"):

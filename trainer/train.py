@@ -25,12 +25,12 @@ from torch import nn
 from tqdm import tqdm
 
 from patches.bitfit import bias_parameters, bias_roles, extract_patch, target_names
+from patches.data import Dataset
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
 from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel
-from trainer.data import Dataset
 from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
 
 IGNORE = -100

@@ -17,12 +17,12 @@ import time
 import traceback
 from typing import Any
 
+from patches.data import DataError, Dataset, job_splits
 from patches.encoder import Encoder
 from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
 from patches.format import Patch
 from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue, TrainConfig
 from patches.store import Registry
-from trainer.data import DataError, Dataset, job_splits
 from trainer.train import TrainingStopped, progress_line, train_patch
 
 log = logging.getLogger(__name__)

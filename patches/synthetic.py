@@ -1,0 +1,78 @@
+"""Synthetic encoders and patches, for benchmarks, load tests and tests: a randomly initialised BERT saved as a
+Hugging Face folder with a given tokenizer, and patches whose biases are an encoder's own moved by seeded noise.
+They serve and train like real ones; nothing here is meant to predict anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from patches.bitfit import base_biases, target_names
+from patches.encoder import Encoder
+from patches.format import BaseRef, Label, Patch, PatchMeta
+
+DEFAULT_LABELS: dict[str, list[Label]] = {
+    "classification": ["negative", "positive"],
+    "regression": [],
+    "token-classification": ["DET", "NOUN", "VERB"],
+}
+
+
+def random_bert(folder: Path, tokenizer: Any, *, seed: int = 0, bias_std: float = 0.5, **config: Any) -> Path:
+    """A BERT of ``config`` (``transformers.BertConfig`` fields; the vocabulary is the tokenizer's) with seeded
+    random weights, its biases drawn from N(0, ``bias_std``) so that dropping or folding one changes the outputs,
+    saved with ``tokenizer`` as a Hugging Face folder."""
+    from transformers import BertConfig, BertModel
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BertModel(BertConfig(**{"vocab_size": len(tokenizer), **config}))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, bias_std)
+    model.save_pretrained(folder)
+    return folder
+
+
+def random_patch(
+    encoder: Encoder,
+    task: str = "sentiment",
+    *,
+    kind: str = "classification",
+    labels: list[Label] | None = None,
+    subset: str = "all",
+    pooling: str = "mean",
+    seed: int = 1,
+    scale: float = 0.5,
+    head_scale: float = 1.0,
+    max_seq_length: int = 32,
+) -> Patch:
+    """A patch of ``encoder`` whose biases are the base values moved by seeded noise (std ``scale``), with a
+    seeded random head (its weights times ``head_scale``: below 1, class scores stay away from 0 and 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = DEFAULT_LABELS[kind] if labels is None else labels
+    names = target_names(encoder.model, subset)
+    biases = {n: b + scale * torch.randn(b.shape, generator=gen) for n, b in base_biases(encoder.model, names).items()}
+    n_out = 1 if kind == "regression" else len(labels)
+    meta = PatchMeta(
+        task=task,
+        kind=kind,
+        labels=labels,
+        base=BaseRef(encoder.name, encoder.fingerprint),
+        bias_subset=subset,
+        pooling=pooling,
+        max_seq_length=max_seq_length,
+        metrics={"dev_accuracy": 0.5},
+    )
+    return Patch(
+        meta=meta,
+        biases=biases,
+        head_weight=head_scale * torch.randn(n_out, encoder.hidden_size, generator=gen),
+        head_bias=torch.randn(n_out, generator=gen),
+    )
