@@ -43,6 +43,7 @@ from bench.common import (
     append_run,
     fill_registry,
     latest_run,
+    model_source,
     pyplot,
     run_wrk,
     sentences,
@@ -230,14 +231,15 @@ def main() -> None:
     concs, task_counts, inputs = ([int(x) for x in s.split(",")] for s in (args.concurrency, args.tasks, args.inputs))
     n_tasks = max(task_counts)
     texts = sentences(args.data, args.seed)
-    encoder = load_encoder(args.model)
+    work = Path(tempfile.mkdtemp(prefix="bench-http-"))
+    model = model_source(args.model, work)
+    encoder = load_encoder(model)
     patches = [random_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(n_tasks)]
     del encoder
-    work = Path(tempfile.mkdtemp(prefix="bench-http-"))
     registry = f"disk://{work / 'registry'}"
     print(f"registering {n_tasks} tasks: {fill_registry(registry, patches):.1f} s", file=sys.stderr)
     port, base = free_port(), ""
-    serve = ["serve", "--port", str(port), "--model", args.model, "--device", args.device, "--dtype", args.dtype]
+    serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
     serve += ["--slots", str(n_tasks), "--registry", registry]
     rng = random.Random(args.seed)
     scripts = {

@@ -204,3 +204,15 @@ def load_encoder(source: str | None = DEFAULT_ENCODER) -> Encoder:
         default_pooling=_default_pooling(folder),
         max_positions=max_positions,
     )
+
+
+def load_tokenizer(source: str | None = DEFAULT_ENCODER) -> Any:
+    """The tokenizer of an encoder source (as ``load_encoder`` resolves it), without loading the model: what a
+    process that tokenises for an encoder running elsewhere needs."""
+    from transformers import AutoTokenizer
+
+    _, where = resolve_source(source)
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except OSError as exc:
+        raise EncoderError(f"cannot load the tokenizer of encoder {source!r}: {exc}") from exc

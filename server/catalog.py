@@ -9,6 +9,7 @@ registered elsewhere is served at once on first use.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -80,6 +81,22 @@ class Catalog:
                 backoff = min(backoff * 2, 10.0)
 
     # --- reads ---------------------------------------------------------------------------------------------
+    def lookup(self, task: str) -> tuple[VersionInfo, Patch] | None:
+        """The current version of ``task`` and its patch when both are in memory (no I/O: call it on the event
+        loop); None when ``resolve`` has to read the registry."""
+        info = self.current.get(task)
+        if info is None:
+            return None
+        patch = self.cache.get(info.patch_id)
+        return None if patch is None else (info, patch)
+
+    async def resolve_async(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
+        """``resolve`` from the event loop: at once from memory, else in a worker thread."""
+        found = self.lookup(task) if version is None else None
+        if found is not None:
+            return found
+        return await asyncio.to_thread(self.resolve, task, version)
+
     def resolve(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
         """The current (or the given) version of ``task`` and its patch (blocking: call from a worker thread)."""
         info = self.current.get(task) if version is None else self.registry.info(task, version)

@@ -47,17 +47,22 @@ def _serve(args: argparse.Namespace) -> int:
             where = ".".join(str(x) for x in err["loc"]) or "settings"
             print(f"error: {where}: {err['msg']}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.front_ends > 0:
+        from server.supervisor import serve
+
+        return serve(settings)
     import uvicorn
 
     from server.app import create_app
+    from server.supervisor import GRACEFUL_SHUTDOWN_S
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
+    uvicorn.run(  # --workers 0: the engine in this one process
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     return 0
 

@@ -3,20 +3,66 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any, Protocol
 
+import numpy as np
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from patches.encoder import Encoder
+from patches.format import BaseSpec
 from patches.jobs import JobQueue
 from patches.store import Registry
 from server.catalog import Catalog
-from server.engine.batcher import Batcher
-from server.engine.runner import Runner
+from server.engine.protocol import Info
+from server.engine.runner import Row
 from server.metrics import Metrics
 from server.settings import ServerSettings
+
+
+class Engine(Protocol):
+    """Where rows run: ``LocalEngine`` (this process) or ``RemoteEngine`` (the engine process)."""
+
+    @property
+    def device(self) -> str: ...
+
+    def problem(self) -> str | None:
+        """Why rows cannot run now (None: they can)."""
+
+    async def run(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """Each row's float32 output; cancelling the call drops the rows not yet run."""
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """What the routes know of the base encoder: its identity and spec, its tokenizer and limits (not the model,
+    which the engine holds)."""
+
+    name: str
+    fingerprint: str
+    spec: BaseSpec
+    tokenizer: Any
+    max_positions: int
+    default_pooling: str
+
+    @classmethod
+    def of(cls, encoder: Encoder) -> EncoderInfo:
+        return cls(
+            encoder.name,
+            encoder.fingerprint,
+            encoder.spec,
+            encoder.tokenizer,
+            encoder.max_positions,
+            encoder.default_pooling,
+        )
+
+    @classmethod
+    def from_engine(cls, info: Info, tokenizer: Any) -> EncoderInfo:
+        shapes = {name: tuple(shape) for name, shape in info.bias_shapes.items()}
+        spec = BaseSpec(info.name, info.fingerprint, info.hidden_size, shapes)
+        return cls(info.name, info.fingerprint, spec, tokenizer, info.max_positions, info.default_pooling)
 
 
 @dataclass
@@ -24,10 +70,9 @@ class Service:
     """Everything the routes use, built once by the lifespan handler."""
 
     settings: ServerSettings
-    encoder: Encoder
+    encoder: EncoderInfo
     registry: Registry
-    runner: Runner
-    batcher: Batcher
+    engine: Engine
     catalog: Catalog
     metrics: Metrics
     queue: JobQueue | None = None

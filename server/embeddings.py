@@ -13,9 +13,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import torch
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
@@ -36,13 +34,13 @@ async def _embed(
     """Vectors of ``texts`` under ``task``'s current patch (None: the base encoder), and the tokens they took."""
     info = patch = None
     if task is not None:
-        info, patch = await run_in_threadpool(svc.catalog.resolve, task)
+        info, patch = await svc.catalog.resolve_async(task)
         check_request(patch, pairs)
     name_task(request, BASE_TASK if task is None else task)
     encoded, vectors = await run_rows(svc, request, patch, texts, pairs, output="embedding")
-    stacked = torch.stack(vectors)  # [N, H]
-    if normalize:
-        stacked = torch.nn.functional.normalize(stacked, dim=-1)
+    stacked = np.stack(vectors)  # [N, H]
+    if normalize:  # as torch.nn.functional.normalize: a zero vector stays zero
+        stacked = stacked / np.maximum(np.linalg.norm(stacked, axis=-1, keepdims=True), 1e-12)
     response = EmbedResponse(
         task=task,
         version=None if info is None else info.version,

@@ -1,26 +1,32 @@
 """One request's way through the engine, shared by every route that runs the encoder (predict, the Open Inference
-Protocol's infer, embeddings): check the inputs against the limits, tokenise off the event loop, queue the rows
-for the batcher, and wait for them -- up to the request timeout, and only while the client is still there.
+Protocol's infer, embeddings): check the inputs against the limits, tokenise (small requests inline, large ones off
+the event loop), hand the rows to the engine (in this process or the engine process), and wait for them -- up to
+the request timeout, and only while the client is still there.
 
-Which task a request ran for is left on ``request.state.task`` for ``server.metrics.RequestMetrics``: routes that
+Which task a request ran for is left on ``request.state.task`` for ``server.middleware.RequestGuard``: routes that
 depend on ``Counted`` are counted, under ``_unknown`` until their task resolved (so the label set stays bounded).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated
 
-import torch
+import numpy as np
 from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
 from patches.format import Patch
 from server.deps import Service
+from server.engine.protocol import EngineUnavailableError
 from server.predict import Encoded, InputError, encode
 
 UNKNOWN_TASK = "_unknown"
 BASE_TASK = "_base"  # the label of requests for the base encoder's embeddings
+# Requests with at most this many characters of text are tokenised on the event loop: a thread hop costs more than
+# the work (docs/benchmarks/http.md has the measurement); longer ones go to the thread pool, so that one large
+# request cannot hold up the others.
+INLINE_TOKENIZE_CHARS = 2048
 
 
 class ClientGoneError(Exception):
@@ -46,7 +52,7 @@ async def run_rows(
     texts: list[str],
     pairs: list[str] | None,
     output: str = "logits",
-) -> tuple[list[Encoded], list[torch.Tensor]]:
+) -> tuple[list[Encoded], list[np.ndarray]]:
     """Encode ``texts`` (and ``pairs``) for ``patch`` (None: the base encoder) and run them; one output per input."""
     s = svc.settings
     if len(texts) > s.max_inputs_per_request:
@@ -54,17 +60,22 @@ async def run_rows(
             f"{len(texts)} inputs in one request; the limit is {s.max_inputs_per_request} "
             "(PATCHSERVE_MAX_INPUTS_PER_REQUEST) -- split the request"
         )
+    problem = svc.engine.problem()
+    if problem is not None:
+        raise EngineUnavailableError(problem)
     task_limit = s.max_seq_length if patch is None else patch.meta.max_seq_length
     max_len = min(task_limit, s.max_seq_length, svc.encoder.max_positions)
-    tokenizer = svc.encoder.tokenizer
-    encoded = await run_in_threadpool(encode, tokenizer, patch, texts, pairs, max_len, s.max_input_chars, output)
-    outputs = await _wait_rows(svc.batcher.submit([e.row for e in encoded]), request, s.request_timeout_s)
-    return encoded, outputs
+    work = (svc.encoder.tokenizer, patch, texts, pairs, max_len, s.max_input_chars, output)
+    if sum(map(len, texts)) + (0 if pairs is None else sum(map(len, pairs))) <= INLINE_TOKENIZE_CHARS:
+        encoded = encode(*work)
+    else:
+        encoded = await run_in_threadpool(encode, *work)
+    run = asyncio.ensure_future(svc.engine.run([e.row for e in encoded]))
+    return encoded, await _wait(run, request, s.request_timeout_s)
 
 
-async def _wait_rows(futures: list[asyncio.Future[Any]], request: Request, timeout: float) -> list[Any]:
-    """Wait for every row; give up on timeout (504) or when the client hangs up (its rows are dropped)."""
-    gathered = asyncio.gather(*futures)
+async def _wait(run: asyncio.Future[list[np.ndarray]], request: Request, timeout: float) -> list[np.ndarray]:
+    """Wait for a run; give up on timeout (504) or when the client hangs up (its rows are dropped)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     try:
@@ -74,11 +85,11 @@ async def _wait_rows(futures: list[asyncio.Future[Any]], request: Request, timeo
                 raise HTTPException(
                     504, f"the request took longer than {timeout:g}s; retry, or raise PATCHSERVE_REQUEST_TIMEOUT_S"
                 )
-            done, _ = await asyncio.wait({gathered}, timeout=min(0.25, remaining))
+            done, _ = await asyncio.wait({run}, timeout=min(0.25, remaining))
             if done:
-                return list(gathered.result())
+                return run.result()
             if await request.is_disconnected():
                 raise ClientGoneError
     finally:
-        if not gathered.done():
-            gathered.cancel()  # cancels the rows' futures: the batcher drops them before the device
+        if not run.done():
+            run.cancel()  # the engine drops the rows before they reach the device

@@ -1,11 +1,19 @@
-"""Prometheus metrics, in a registry of the app's own (two apps in one process never clash)."""
+"""Prometheus metrics, in a registry of the app's own (two apps in one process never clash).
+
+With ``--workers N`` every process of the server (the engine and each front end) writes its figures to files in
+one folder (prometheus_client's multiprocess mode: the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` for its
+children), and any front end's /metrics adds them up: counters and histograms are summed over the processes,
+``patchserve_queue_rows`` is the engine's, ``patchserve_tasks`` and ``patchserve_jobs`` the latest a live front end
+saw.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from patches.api import JOB_STATUSES
 from server.engine.batcher import BatchStats
@@ -41,7 +49,9 @@ class Metrics:
         self.batch_seconds = Histogram(
             "patchserve_batch_seconds", "Time of one forward pass.", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.queue_rows = Gauge("patchserve_queue_rows", "Inputs waiting for a batch.", registry=r)
+        self.queue_rows = Gauge(
+            "patchserve_queue_rows", "Inputs waiting for a batch.", registry=r, multiprocess_mode="livesum"
+        )
         self.slot_events = Counter(
             "patchserve_slot_events", "Device slot hits, misses and evictions.", ["event"], registry=r
         )
@@ -52,13 +62,30 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.tasks = Gauge("patchserve_tasks", "Tasks registered (as this replica sees it).", registry=r)
+        self.tasks = Gauge(
+            "patchserve_tasks",
+            "Tasks registered (as this replica sees it).",
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.jobs = Gauge(
-            "patchserve_jobs", "Training jobs by status among the most recent 500.", ["status"], registry=r
+            "patchserve_jobs",
+            "Training jobs by status among the most recent 500.",
+            ["status"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self._slots_seen = SlotStats()
         self._counted: tuple[float, dict[str, float]] | None = None  # (when, requests per task) at the last rate
         self._rates: dict[str, float] = {}
+
+    def exposed(self) -> CollectorRegistry:
+        """What /metrics shows: this registry, or every process's figures in multiprocess mode."""
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return self.registry
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return registry
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_rows.observe(stats.rows)
@@ -70,9 +97,9 @@ class Metrics:
         least a second ago (callers in between get that answer again)."""
         now = time.monotonic()
         counts: dict[str, float] = {}
-        for metric in self.requests.collect():
+        for metric in self.exposed().collect():
             for sample in metric.samples:
-                if sample.name.endswith("_total"):
+                if sample.name == "patchserve_requests_total":
                     counts[sample.labels["task"]] = counts.get(sample.labels["task"], 0.0) + sample.value
         if self._counted is None:
             self._counted = (now, counts)
@@ -93,35 +120,3 @@ class Metrics:
             if delta > 0:
                 self.slot_events.labels(event=event).inc(delta)
                 setattr(self._slots_seen, field, getattr(stats, field))
-
-
-class RequestMetrics:
-    """ASGI middleware: counts every request of the inference routes by task and the status it was answered with,
-    and times the successful ones. A route opts in with ``server.inference.Counted`` and names its task once it
-    resolved (``request.state.task``); the status is whatever went out, whichever handler produced it."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status, t0 = 500, time.perf_counter()
-        state = scope.setdefault("state", {})  # request.state: shared even where a layer copies the scope
-
-        async def watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watch)
-        finally:
-            task = state.get("task")
-            svc = getattr(scope["app"].state, "service", None)
-            if task is not None and svc is not None:
-                svc.metrics.requests.labels(task=task, status=str(status)).inc()
-                if status == 200:
-                    svc.metrics.latency.labels(task=task).observe(time.perf_counter() - t0)

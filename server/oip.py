@@ -19,7 +19,6 @@ import struct
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -30,6 +29,7 @@ from patches.api import Prediction
 from patches.errors import describe_validation_errors
 from patches.format import PatchMeta, strict_json
 from server.deps import PredictAuth, ServiceDep
+from server.engine.protocol import EngineUnavailableError
 from server.inference import Counted, name_task, run_rows
 from server.openapi import TaskName, errors
 from server.predict import InputError, check_request, decode
@@ -97,6 +97,9 @@ async def live() -> dict[str, bool]:
 @router.get("/v2/health/ready", responses=errors(503))
 async def ready(svc: ServiceDep) -> dict[str, bool]:
     """The encoder is loaded and the registry answers (as /readyz)."""
+    problem = svc.engine.problem()
+    if problem is not None:
+        raise EngineUnavailableError(problem)
     await run_in_threadpool(svc.registry.ping)
     return {"ready": True}
 
@@ -139,14 +142,14 @@ async def model_version_metadata(name: TaskName, version: int, svc: ServiceDep, 
 @router.get("/v2/models/{name}/ready", responses=_READ)
 async def model_ready(name: TaskName, svc: ServiceDep, _: PredictAuth) -> dict[str, Any]:
     """200 when the task is registered and fits this server's encoder; else 404 or 409."""
-    await run_in_threadpool(svc.catalog.resolve, name)
+    await svc.catalog.resolve_async(name)
     return {"name": name, "ready": True}
 
 
 @router.get("/v2/models/{name}/versions/{version}/ready", responses=_READ)
 async def model_version_ready(name: TaskName, version: int, svc: ServiceDep, _: PredictAuth) -> dict[str, Any]:
     """As GET /v2/models/{name}/ready, for one stored version."""
-    await run_in_threadpool(svc.catalog.resolve, name, version)
+    await svc.catalog.resolve_async(name, version)
     return {"name": name, "version": str(version), "ready": True}
 
 
@@ -189,7 +192,7 @@ async def infer_version(
 async def _infer(svc: Any, request: Request, name: str, version: int | None) -> Response:
     body, tail = _split(await request.body(), request.headers.get(HEADER_LENGTH))
     texts, pairs = _texts(body, tail)
-    info, patch = await run_in_threadpool(svc.catalog.resolve, name, version)
+    info, patch = await svc.catalog.resolve_async(name, version)
     name_task(request, name)
     check_request(patch, pairs)
     wanted = _wanted(body, [t.name for t in _tensors(patch.meta)[1]])  # before the work: a typo costs nothing
@@ -303,7 +306,7 @@ def _encode(datatype: str, values: list[Any]) -> bytes:
     return np.asarray(values, dtype="<f4").tobytes()
 
 
-def _outputs(meta: PatchMeta, preds: list[Prediction], logits: list[torch.Tensor]) -> dict[str, tuple[str, list, list]]:
+def _outputs(meta: PatchMeta, preds: list[Prediction], logits: list[np.ndarray]) -> dict[str, tuple[str, list, list]]:
     """Every output tensor of the task's kind: name -> (datatype, shape, values flattened row-major)."""
     n = len(preds)
     if meta.kind == "classification":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from patches.api import LabelScore, PairInput, Prediction, TokenPrediction
 from patches.format import Patch
@@ -108,27 +108,32 @@ def _encode_words(tokenizer: Any, patch: Patch, text: str, max_len: int, was_cut
     return Encoded(row, truncated=was_cut or len(kept) < len(words), words=words[: len(kept)], first_subword=kept)
 
 
-def decode(out: torch.Tensor, enc: Encoded, top_k: int | None, all_scores: bool) -> Prediction:
-    """A runner output (logits) -> the prediction for its kind."""
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def decode(out: np.ndarray, enc: Encoded, top_k: int | None, all_scores: bool) -> Prediction:
+    """An engine output (float32 logits) -> the prediction for its kind."""
     assert enc.row.patch is not None, "predictions come from task rows"
     meta = enc.row.patch.meta
     if meta.kind == "regression":
         return Prediction(value=float(out[0]), truncated=enc.truncated)
     if meta.kind == "token-classification":
         assert enc.words is not None and enc.first_subword is not None
-        probs = out[enc.first_subword].softmax(-1)  # [n_words, C]
-        best = probs.max(-1)
+        probs = _softmax(out[enc.first_subword])  # [n_words, C]
+        best = probs.argmax(-1)
         tokens = [
-            TokenPrediction(token=w, label=meta.labels[int(i)], score=float(p))
-            for w, p, i in zip(enc.words, best.values, best.indices, strict=True)
+            TokenPrediction(token=w, label=meta.labels[int(i)], score=float(p[i]))
+            for w, p, i in zip(enc.words, probs, best, strict=True)
         ]
         return Prediction(tokens=tokens, truncated=enc.truncated)
-    probs = out.softmax(-1)
+    probs = _softmax(out)
     top = int(probs.argmax())
     pred = Prediction(label=meta.labels[top], score=float(probs[top]), truncated=enc.truncated)
     if top_k is not None:
-        vals, idx = probs.topk(min(top_k, len(meta.labels)))
-        pred.top_k = [LabelScore(label=meta.labels[int(i)], score=float(v)) for v, i in zip(vals, idx, strict=True)]
+        best_first = np.argsort(-probs, kind="stable")[: min(top_k, len(meta.labels))]
+        pred.top_k = [LabelScore(label=meta.labels[int(i)], score=float(probs[i])) for i in best_first]
     if all_scores:
         pred.scores = {str(label): float(p) for label, p in zip(meta.labels, probs, strict=True)}
     return pred

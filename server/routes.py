@@ -42,7 +42,7 @@ async def predict(
 ) -> Any:
     """Predict with the current version of task ``name``. Inputs of any tasks share batches on the device."""
     texts, pairs = normalise_inputs(body.inputs)
-    info, patch = await run_in_threadpool(svc.catalog.resolve, name)
+    info, patch = await svc.catalog.resolve_async(name)
     name_task(request, name)
     check_request(patch, pairs, body.top_k, body.all_scores)
     encoded, outputs = await run_rows(svc, request, patch, texts, pairs)
@@ -134,7 +134,10 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses=errors(503), tags=["ops"])
 async def readyz(svc: ServiceDep) -> dict[str, str]:
-    """The encoder is loaded and the registry answers."""
+    """The encoder is loaded (in this process or the engine process) and the registry answers."""
+    problem = svc.engine.problem()
+    if problem is not None:
+        raise HTTPException(503, problem)
     try:
         await run_in_threadpool(svc.registry.ping)
     except PatchServeError as exc:
@@ -144,21 +147,19 @@ async def readyz(svc: ServiceDep) -> dict[str, str]:
         "model": svc.encoder.name,
         "fingerprint": svc.encoder.fingerprint,
         "registry": svc.registry.url,
-        "device": str(svc.runner.device),
+        "device": svc.engine.device,
     }
 
 
 @router.get("/metrics", tags=["ops"], response_class=Response)
 async def metrics(svc: ServiceDep) -> Response:
-    """Prometheus metrics."""
+    """Prometheus metrics (of every process of the server)."""
     m = svc.metrics
-    m.queue_rows.set(svc.batcher.queued_rows)
     m.tasks.set(len(svc.catalog.current))
-    m.sync_slots(svc.runner.slots.stats)
     if svc.queue is not None:
         try:
             jobs = await run_in_threadpool(svc.queue.list, 500)
             m.set_jobs([j.status for j in jobs])
         except PatchServeError:
             pass  # the queue being down must not break scraping the rest
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(m.exposed()), media_type=CONTENT_TYPE_LATEST)

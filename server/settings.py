@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import typing
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,10 +17,27 @@ from patches.jobs import JobLimits
 
 log = logging.getLogger(__name__)
 
+DEFAULT_WORKERS_RULE = "one front end per 2 CPU cores beside the engine's, 1 to 8"
+
+
+def default_workers(cpus: int | None = None) -> int:
+    """How many front ends ``--workers`` means when unset (docs/benchmarks/http.md has the measurements)."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(8, (cpus - 1) // 2))
+
 
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PATCHSERVE_", extra="ignore", env_ignore_empty=True)
 
+    workers: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="HTTP front-end processes. N >= 1: one engine process owns the device and N front ends parse, "
+        "validate, authorize and tokenize requests and feed it token rows over ZeroMQ; a front end that dies is "
+        "replaced, an engine that dies is restarted. 0: one process does everything (no IPC). Default: "
+        f"{DEFAULT_WORKERS_RULE}.",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 to accept connections from others.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
     registry: str = Field(
@@ -125,6 +145,26 @@ class ServerSettings(BaseSettings):
         True, description="Fold the value bias into the attention-output bias per task (exact)."
     )
     log_level: str = Field("info", description="Log level: debug, info, warning or error.")
+
+    @property
+    def front_ends(self) -> int:
+        """The front-end processes to run: ``workers``, or the default for this machine."""
+        return default_workers() if self.workers is None else self.workers
+
+    def to_json(self) -> str:
+        """Every setting, secrets included, for the server's own child processes (``from_json``)."""
+        values = {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in self.model_dump().items()}
+        return json.dumps(values)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerSettings:
+        """The settings ``to_json`` wrote, as they were (validated then; environment variables are not read again
+        and start-up warnings are not repeated by every child)."""
+        values = json.loads(text)
+        for name, field in cls.model_fields.items():
+            if SecretStr in typing.get_args(field.annotation) and values.get(name) is not None:
+                values[name] = SecretStr(values[name])
+        return cls.model_construct(**values)
 
     @property
     def job_limits(self) -> JobLimits:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -358,22 +359,56 @@ def test_ops_routes_and_openapi(make_client, tiny_encoder):
     assert refs and refs <= set(spec["components"]["schemas"]), "every schema the document refers to is in it"
 
 
+@contextlib.contextmanager
+def device_held(client: TestClient):
+    """Hold the engine's device: a batch launched meanwhile waits until the block ends (what a long batch does)."""
+    runner = client.app.state.service.engine.runner
+    release, held, launch = threading.Event(), threading.Event(), runner.launch
+
+    def held_launch(rows):
+        held.set()
+        release.wait(timeout=60)
+        return launch(rows)
+
+    runner.launch = held_launch
+    try:
+        yield held
+    finally:
+        release.set()
+        runner.launch = launch
+
+
 def test_overload_is_503_with_retry_after(make_client, tiny_encoder):
-    # rows wait up to 1 s for company, so the first request's 3 rows fill the queue while the second arrives
-    client = make_client(max_queue_rows=3, max_inputs_per_request=3, max_wait_ms=1000)
+    # while the device runs the first request's rows, the second request's 3 rows fill the queue
+    client = make_client(max_queue_rows=3, max_inputs_per_request=3)
     upload(client, make_patch(tiny_encoder, "t"))
-    first: list = []
-    waiting = threading.Thread(
-        target=lambda: first.append(client.post("/tasks/t/predict", json={"inputs": ["a", "b", "c"]}))
-    )
-    waiting.start()
-    batcher = client.app.state.service.batcher
-    wait_until(lambda: batcher.queued_rows == 3, what="the first request's rows to queue")
-    r = client.post("/tasks/t/predict", json={"inputs": "d"})
-    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queued" in r.json()["detail"]
-    waiting.join()
-    assert first[0].status_code == 200
+    answers: list = []
+
+    def ask(inputs):
+        answers.append(client.post("/tasks/t/predict", json={"inputs": inputs}))
+
+    with device_held(client) as held:
+        threads = [threading.Thread(target=ask, args=(["a", "b", "c"],))]
+        threads[0].start()
+        assert held.wait(30), "the first request never reached the device"
+        threads.append(threading.Thread(target=ask, args=(["d", "e", "f"],)))
+        threads[1].start()
+        batcher = client.app.state.service.engine.batcher
+        wait_until(lambda: batcher.queued_rows == 3, what="the second request's rows to queue")
+        r = client.post("/tasks/t/predict", json={"inputs": "g"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queued" in r.json()["detail"]
+    for t in threads:
+        t.join()
+    assert [a.status_code for a in answers] == [200, 200]
     assert client.post("/tasks/t/predict", json={"inputs": "d"}).status_code == 200
+
+
+def test_a_lone_request_does_not_wait_for_company(make_client, tiny_encoder):
+    # an idle device starts a batch at once: max_wait_ms only applies behind a batch that is still running
+    client = make_client(max_wait_ms=5000, request_timeout_s=2)
+    upload(client, make_patch(tiny_encoder, "t"))
+    r = client.post("/tasks/t/predict", json={"inputs": "good"})
+    assert r.status_code == 200, r.text
 
 
 def test_a_request_that_could_never_fit_the_queue_is_refused_at_start_up(tiny_bert_dir, tmp_path):
@@ -382,10 +417,12 @@ def test_a_request_that_could_never_fit_the_queue_is_refused_at_start_up(tiny_be
 
 
 def test_slow_requests_time_out_with_504(make_client, tiny_encoder):
-    client = make_client(max_wait_ms=300, request_timeout_s=0.02)
+    client = make_client(request_timeout_s=0.2)
     upload(client, make_patch(tiny_encoder, "t"))
-    r = client.post("/tasks/t/predict", json={"inputs": "good"})
+    with device_held(client):
+        r = client.post("/tasks/t/predict", json={"inputs": "good"})
     assert r.status_code == 504 and "REQUEST_TIMEOUT" in r.json()["detail"]
+    assert client.post("/tasks/t/predict", json={"inputs": "good"}).status_code == 200
 
 
 def test_body_limits_hold_with_and_without_a_content_length(make_client, tiny_encoder):

@@ -70,7 +70,7 @@ def test_server_holds_and_serves_10000_bert_base_tasks_in_half_precision(bert_ba
             registry=url, device="cpu", dtype="bfloat16", slots=N_TASKS, preload=True, patch_cache_mb=64
         )
         with TestClient(create_app(settings, encoder=encoder)) as client:
-            runner = client.app.state.service.runner
+            runner = client.app.state.service.engine.runner
             # every task resident at once, in half-precision banks under 2 GB
             assert len(runner.slots) == N_TASKS and runner.slots.stats.misses == N_TASKS
             per_task = (
@@ -108,9 +108,9 @@ def test_preload_fills_free_slots_with_the_most_recent_tasks_and_evicts_none(tin
     registry.close()
     common = {"registry": url, "model": str(tiny_bert_dir), "device": "cpu", "slots": 3}
     with TestClient(create_app(ServerSettings(**common))) as client:  # off by default: nothing resident
-        assert len(client.app.state.service.runner.slots) == 0
+        assert len(client.app.state.service.engine.runner.slots) == 0
     with TestClient(create_app(ServerSettings(**common, preload=True))) as client:
-        slots = client.app.state.service.runner.slots
+        slots = client.app.state.service.engine.runner.slots
         assert len(slots) == 3 and slots.stats.evictions == 0
         assert {p.patch_id for p in patches[2:]} == {p.patch_id for p in patches if p.patch_id in slots}
         for i in (2, 3, 4):  # resident: answered without a load

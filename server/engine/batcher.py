@@ -1,10 +1,13 @@
 """The batcher: one asyncio actor owns the queue and turns rows of any tasks into batches for the runner.
 
 Request lifecycle: ``submit(rows)`` -> queue -> the actor collects a batch (bounded by max rows, max tokens -- real
-ones on the packed engine, padded ones on the slotted engine --, max distinct patches and max wait; rows of similar
-length together, to cut padding on the slotted engine) -> launches it on the runner's single worker thread (the
-event loop never blocks) and, while the device runs it, launches the next one -> resolves each row's
-future. Rows whose request was cancelled (client gone, timeout) are dropped before they reach the device.
+ones on the packed engine, padded ones on the slotted engine --, and max distinct patches; rows of similar length
+together, to cut padding on the slotted engine) -> launches it on the runner's single worker thread (the event
+loop never blocks) -> resolves each row's future. An idle device starts on whatever is queued at once: rows that
+arrive while a batch runs form the next one (continuous batching), so a lone request never waits for company.
+With ``overlap_batches`` the next batch is launched while the device still runs the previous one, and it may wait
+up to max wait for more rows first. Rows whose request was cancelled (client gone, timeout) are dropped before
+they reach the device.
 """
 
 from __future__ import annotations
@@ -141,16 +144,24 @@ class Batcher:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
 
     async def _collect(self) -> list[_Item]:
-        """Wait for a row, then up to max_wait for a full batch; then select one."""
+        """The device is idle: wait for a row, then take what is queued at once (no waiting for company: rows that
+        arrive while this batch runs join the next one)."""
         while True:
             while not self._queue:
                 await self._wait(None)
-            deadline = time.perf_counter() + self.max_wait
-            while len(self._queue) < self.max_rows and (remaining := deadline - time.perf_counter()) > 0:
-                await self._wait(remaining)
             batch = self._select()
             if batch:
                 return batch
+
+    async def _collect_behind(self) -> list[_Item]:
+        """A batch is still running on the device: the next one may wait up to max_wait for more rows, since it
+        cannot start before the device is free anyway. Empty when nothing is queued."""
+        if not self._queue:
+            return []
+        deadline = time.perf_counter() + self.max_wait
+        while len(self._queue) < self.max_rows and (remaining := deadline - time.perf_counter()) > 0:
+            await self._wait(remaining)
+        return self._select()
 
     async def _loop(self) -> None:
         """Launch a batch; while the device runs it, launch the next one if rows are already waiting (its host work
@@ -158,7 +169,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         inflight: deque[tuple[list[_Item], Pending, float]] = deque()
         while True:
-            batch = await self._collect() if not inflight else (self._select() if self._queue else [])
+            batch = await self._collect() if not inflight else await self._collect_behind()
             if batch:
                 t0 = time.perf_counter()
                 try:

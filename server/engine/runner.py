@@ -34,6 +34,7 @@ from server.engine.packed import (
     layout_size,
     packed_unsupported,
 )
+from server.engine.protocol import BASE_KEY
 from server.engine.slots import SlotManager
 from server.engine.slotted import install_slots, write_slot
 
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-BASE_KEY = "base"  # the key of rows without a patch (the base encoder); patch ids are "sha256:..."
 OUTPUTS = ("logits", "embedding")
 
 

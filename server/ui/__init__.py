@@ -37,7 +37,7 @@ async def page(request: Request, svc: ServiceDep) -> Any:
     context = {
         "model": svc.encoder.name,
         "fingerprint": svc.encoder.fingerprint,
-        "device": str(svc.runner.device),
+        "device": svc.engine.device,
         "registry": svc.registry.url,
         "version": __version__,
         "jobs": svc.queue is not None,

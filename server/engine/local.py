@@ -1,0 +1,82 @@
+"""The engine in this process: the runner (the device) and the batcher (the queue) built from the server's settings.
+
+The server runs it in its own process with ``--workers 0``; with ``--workers N`` the engine process
+(``server/engine/process.py``) runs it and the front ends reach it through ``server/engine/remote.py``. Both expose
+``run(rows)``, so a route does not know where the device is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from patches.encoder import Encoder
+from patches.format import Patch
+from server.engine.batcher import Batcher, BatchStats
+from server.engine.runner import Row, Runner
+from server.metrics import Metrics
+from server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+class LocalEngine:
+    def __init__(self, encoder: Encoder, settings: ServerSettings, metrics: Metrics) -> None:
+        """Move ``encoder`` to the device (the runner owns it from now on) and set up the batcher; ``start`` it
+        inside the event loop that will submit rows."""
+        self.metrics = metrics
+        self.runner = Runner(
+            encoder,
+            device=settings.device,
+            dtype=settings.dtype,
+            slots=settings.slots,
+            engine=settings.engine,
+            drop_key_bias=settings.drop_key_bias,
+            fold_value_bias=settings.fold_value_bias,
+            fold_ln_bias=settings.fold_ln_bias,
+            cuda_graphs=settings.cuda_graphs,
+            overlap_batches=settings.overlap_batches,
+            max_rows=settings.max_batch_rows,
+            max_tokens=settings.max_batch_tokens,
+            on_load=metrics.patch_load.labels(source="slot").observe,
+        )
+        self.batcher = Batcher(
+            self.runner,
+            max_rows=settings.max_batch_rows,
+            max_tokens=settings.max_batch_tokens,
+            max_wait_ms=settings.max_wait_ms,
+            max_queue_rows=settings.max_queue_rows,
+            on_batch=self._observe,
+        )
+
+    @property
+    def device(self) -> str:
+        return str(self.runner.device)
+
+    def problem(self) -> str | None:
+        """Why the engine cannot take rows now (None: it can). In this process it always can."""
+        return None
+
+    def preload(self, patches: Iterable[Patch]) -> int:
+        return self.runner.preload(patches)
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+
+    async def run(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """Each row's output (float32: logits, per-token logits or an embedding). Cancelling the call drops the rows
+        that have not reached the device."""
+        self.metrics.queue_rows.set(self.batcher.queued_rows + len(rows))
+        outputs = await asyncio.gather(*self.batcher.submit(rows))
+        return [t.numpy() for t in outputs]
+
+    def _observe(self, stats: BatchStats) -> None:
+        self.metrics.observe_batch(stats)
+        self.metrics.queue_rows.set(self.batcher.queued_rows)
+        self.metrics.sync_slots(self.runner.slots.stats)

@@ -1,0 +1,261 @@
+"""The engine process (``patchserve serve --workers N``): the one process that owns the device. It runs the runner
+and the batcher (``LocalEngine``) and serves the front ends over ZeroMQ (``server/engine/protocol.py``): token rows
+of any tasks come in, float32 outputs go back, batched together whichever front end sent them.
+
+Patches arrive by id. The engine keeps the patches it was sent in a byte-bounded cache and answers ``Missing`` for
+one it does not hold, so it never reads the registry to serve (a front end that resolved a task sends what it
+resolved: hot swap keeps its semantics, and a task deleted meanwhile still finishes its in-flight requests). Only
+``--preload`` reads the registry, once, at start-up.
+
+It stops on SIGTERM after the requests it holds are answered (the supervisor sends it once every front end has
+drained), ignores SIGINT (a Ctrl-C reaches the whole process group; the supervisor decides the order), and exits
+when its supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import gc
+import logging
+import os
+import signal
+import sys
+import uuid
+from multiprocessing.connection import Connection
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from patches.encoder import load_encoder
+from patches.errors import PatchError, PatchServeError
+from patches.format import BaseSpec, Patch
+from patches.store import open_registry
+from server.catalog import Catalog
+from server.engine.batcher import OverloadedError
+from server.engine.local import LocalEngine
+from server.engine.protocol import (
+    BASE_KEY,
+    Cancel,
+    Failed,
+    Hello,
+    Infer,
+    Info,
+    Missing,
+    Outputs,
+    encode,
+    to_engine,
+)
+from server.engine.runner import Row
+from server.engine.slots import PatchCache, SlotsExhaustedError
+from server.metrics import Metrics
+from server.settings import ServerSettings
+
+log = logging.getLogger("patchserve.engine")
+
+STARTUP_FAILURE = 3  # the exit status of an engine that could not start: restarting it would fail the same way
+
+
+class Startup(msgspec.Struct, frozen=True):
+    """What the engine process tells its supervisor once, over a pipe: ready (with its ``Info``) or why not."""
+
+    info: Info | None = None
+    error: str | None = None
+
+
+class EngineServer:
+    """Serves one ``LocalEngine`` to the front ends connected to a ROUTER socket."""
+
+    def __init__(self, engine: LocalEngine, spec: BaseSpec, info: Info, cache: PatchCache, max_patch_bytes: int):
+        self.engine = engine
+        self.spec = spec
+        self.info = info
+        self.cache = cache
+        self.max_patch_bytes = max_patch_bytes
+        self._inflight: dict[tuple[bytes, int], asyncio.Task[None]] = {}
+        self._parsing: dict[str, asyncio.Task[Patch]] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+
+    async def serve(self, address: str, stop: asyncio.Event, on_bound: asyncio.Event | None = None) -> None:
+        """Answer front ends at ``address`` until ``stop`` is set, then finish the requests already taken."""
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop an answer to a connected front end
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(address)
+        self._sock = sock
+        if on_bound is not None:
+            on_bound.set()
+        receiver = asyncio.ensure_future(self._receive(sock))
+        try:
+            await stop.wait()
+        finally:
+            receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiver
+            if self._inflight:
+                log.info("engine: draining %d requests", len(self._inflight))
+                await asyncio.wait(list(self._inflight.values()), timeout=60)
+            sock.close()
+            ctx.term()
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            ident, payload = await sock.recv_multipart()
+            try:
+                msg = to_engine.decode(payload)
+            except msgspec.DecodeError as exc:  # a bug or a stranger on the socket: say so, keep serving
+                log.error("engine: undecodable message from a front end: %s", exc)
+                continue
+            if isinstance(msg, Infer):
+                key = (ident, msg.id)
+                self._inflight[key] = asyncio.ensure_future(self._infer(ident, msg))
+                self._inflight[key].add_done_callback(functools.partial(self._forget, key))
+            elif isinstance(msg, Cancel):
+                running = self._inflight.get((ident, msg.id))
+                if running is not None:
+                    running.cancel()
+            elif isinstance(msg, Hello):
+                self._send(ident, self.info)
+
+    def _forget(self, key: tuple[bytes, int], _: object) -> None:
+        self._inflight.pop(key, None)
+
+    def _send(self, ident: bytes, msg: Info | Outputs | Missing | Failed) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart([ident, encode(msg)])  # a ROUTER drops what it cannot deliver (a gone front end)
+
+    async def _infer(self, ident: bytes, msg: Infer) -> None:
+        try:
+            patches = await self._patches(msg)
+            if isinstance(patches, Missing):
+                self._send(ident, patches)
+                return
+            rows = [Row(r.input_ids, r.token_type_ids, patches.get(r.key), r.output) for r in msg.rows]
+            outputs = await self.engine.run(rows)
+        except asyncio.CancelledError:
+            return  # the front end cancelled (client gone, timeout): nobody waits for an answer
+        except OverloadedError as exc:
+            self._send(ident, Failed(msg.id, 503, str(exc)))
+        except SlotsExhaustedError as exc:
+            self._send(ident, Failed(msg.id, 503, f"{exc}; retry shortly"))
+        except PatchError as exc:
+            self._send(ident, Failed(msg.id, 409, str(exc)))
+        except Exception as exc:  # a failed batch fails its requests, never the engine
+            log.exception("engine: request failed")
+            self._send(ident, Failed(msg.id, 500, f"the engine failed to run the request: {exc}"))
+        else:
+            data = b"".join(np.ascontiguousarray(o, dtype="<f4").tobytes() for o in outputs)
+            self._send(ident, Outputs(msg.id, data, [list(o.shape) for o in outputs]))
+
+    async def _patches(self, msg: Infer) -> dict[str, Patch] | Missing:
+        """The patches ``msg`` names, from the cache or the bytes it carries; ``Missing`` for those it lacks."""
+        for pid, data in msg.patches.items():
+            if self.cache.get(pid) is None and pid not in self._parsing:
+                self._parsing[pid] = asyncio.ensure_future(asyncio.to_thread(self._parse, pid, data))
+                self._parsing[pid].add_done_callback(functools.partial(self._parsed, pid))
+        found: dict[str, Patch] = {}
+        missing: list[str] = []
+        for pid in {r.key for r in msg.rows if r.key != BASE_KEY}:
+            patch = self.cache.get(pid)
+            if patch is None and pid in self._parsing:  # shielded: other requests may wait for the same parse
+                patch = await asyncio.shield(self._parsing[pid])
+            if patch is None:
+                missing.append(pid)
+            else:
+                found[pid] = patch
+        return Missing(msg.id, sorted(missing)) if missing else found
+
+    def _parsed(self, pid: str, _: object) -> None:
+        self._parsing.pop(pid, None)
+
+    def _parse(self, pid: str, data: bytes) -> Patch:
+        patch = Patch.from_bytes(data, max_bytes=self.max_patch_bytes)
+        if patch.patch_id != pid:
+            raise PatchError(f"the bytes sent for patch {pid} hash to {patch.patch_id}")
+        patch.check_compatible(self.spec)
+        self.cache.put(patch)
+        return patch
+
+
+def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions: int, pooling: str) -> Info:
+    runner = engine.runner
+    return Info(
+        engine_id=uuid.uuid4().hex,
+        pid=os.getpid(),
+        name=spec.name,
+        source=source,
+        fingerprint=spec.fingerprint,
+        hidden_size=spec.hidden_size,
+        bias_shapes={name: list(shape) for name, shape in spec.bias_shapes.items()},
+        max_positions=max_positions,
+        default_pooling=pooling,
+        device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        slots=runner.slots.capacity,
+    )
+
+
+def _build(settings: ServerSettings) -> EngineServer:
+    encoder = load_encoder(settings.model)
+    spec = encoder.spec  # computed from the plain model, before the runner rewrites its modules
+    metrics = Metrics()
+    engine = LocalEngine(encoder, settings, metrics)
+    cache = PatchCache(settings.patch_cache_mb * 1024 * 1024)
+    if settings.preload:
+        registry = open_registry(settings.registry)
+        try:
+            catalog = Catalog(registry, spec, cache)
+            catalog.current = registry.snapshot()
+            loaded = engine.preload(catalog.recent_patches())
+            log.info("engine: preloaded %d of %d tasks", loaded, len(catalog.current))
+        finally:
+            registry.close()
+    info = engine_info(engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling)
+    return EngineServer(engine, spec, info, cache, settings.max_patch_bytes)
+
+
+async def _serve(server: EngineServer, address: str, startup: Connection) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent = os.getppid()
+
+    async def orphaned() -> None:  # the supervisor was killed: nobody will send SIGTERM
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.error("engine: the supervisor is gone; stopping")
+        stop.set()
+
+    watch = asyncio.ensure_future(orphaned())
+    server.engine.start()
+    bound = asyncio.Event()
+    serving = asyncio.ensure_future(server.serve(address, stop, bound))
+    await bound.wait()
+    gc.collect()
+    gc.freeze()  # as in the one-process server: start-up objects out of the collector's way
+    startup.send_bytes(msgspec.msgpack.encode(Startup(info=server.info)))
+    log.info("engine ready: %s on %s (%s), %d slots", server.info.name, server.info.device, address, server.info.slots)
+    try:
+        await serving
+    finally:
+        watch.cancel()
+        await server.engine.stop()
+
+
+def run_engine_process(settings_json: str, address: str, startup: Connection) -> None:
+    """The engine process's entry point (spawned by the supervisor): build, tell the supervisor, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    settings = ServerSettings.from_json(settings_json)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = _build(settings)
+    except (PatchServeError, OSError, ValueError, RuntimeError) as exc:
+        log.error("engine: cannot start: %s", exc)
+        startup.send_bytes(msgspec.msgpack.encode(Startup(error=str(exc))))
+        sys.exit(STARTUP_FAILURE)
+    asyncio.run(_serve(server, address, startup))
