@@ -9,6 +9,7 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -129,6 +130,15 @@ async def _remote_engine(address: str) -> tuple[EncoderInfo, RemoteEngine]:
     return EncoderInfo.from_engine(info, tokenizer), engine
 
 
+async def _stop_when_orphaned() -> None:
+    """A front end whose supervisor was killed stops itself (gracefully, as on SIGTERM): no one else would."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.error("the supervisor (pid %d) is gone; stopping this front end", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def create_app(
     settings: ServerSettings | None = None,
     *,
@@ -173,6 +183,7 @@ def create_app(
         # Everything built so far (torch, transformers, the app, the encoder) lives as long as the process. A full
         # collection would walk its ~400k objects (~190 ms on 2 CPU cores) and stall every request meanwhile: the
         # p99 outliers of bench/swap.py and bench/memory.py. Frozen, collections only walk what serving allocates.
+        orphaned = None if engine_address is None else asyncio.ensure_future(_stop_when_orphaned())
         gc.collect()
         gc.freeze()
         log.info(
@@ -187,6 +198,8 @@ def create_app(
             yield
         finally:
             app.state.service = None
+            if orphaned is not None:
+                orphaned.cancel()
             if isinstance(engine, LocalEngine):
                 await engine.stop()
             else:

@@ -36,7 +36,7 @@ def server(redis_url, tiny_bert_dir, tmp_path_factory) -> Iterator[str]:
         "PATCHSERVE_DEVICE": "cpu",
     }
     with (
-        served(tmp, env, "--admin-token", ADMIN, "--predict-token", PREDICT, "--slots", "4") as base,
+        served(tmp, env, "--admin-token", ADMIN, "--predict-token", PREDICT, "--slots", "4", "--workers", "2") as base,
         patchserve_process(["worker", "--name", "client-worker"], env, tmp / "worker.log"),
     ):
         yield base

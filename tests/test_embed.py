@@ -61,7 +61,7 @@ def test_embedding_rows_equal_the_reference_in_mixed_batches(tiny_bert_dir, tiny
 def server(tiny_bert_dir, tiny_encoder, tmp_path_factory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("embed")
     env = {"PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu", "PATCHSERVE_REGISTRY": f"disk://{tmp}/r"}
-    with served(tmp, env, "--predict-token", "pr3d", "--admin-token", "adm", "--slots", "4") as base:
+    with served(tmp, env, "--predict-token", "pr3d", "--admin-token", "adm", "--slots", "4", "--workers", "2") as base:
         for patch in (make_patch(tiny_encoder, "sentiment", seed=1), make_patch(tiny_encoder, "topic", seed=2)):
             r = httpx.post(f"{base}/tasks", files={"patch": ("p", patch.data)}, headers={"Authorization": "Bearer adm"})
             assert r.status_code == 201, r.text

@@ -19,7 +19,7 @@ def test_schemathesis_finds_no_server_error(redis_url, tiny_bert_dir, tiny_encod
     assert exe, "schemathesis is not installed: pip install -e '.[test]'"
     registry = f"{redis_url}?prefix=fuzz-{uuid.uuid4().hex[:6]}:"  # Redis, so the job routes have a queue too
     env = {"PATCHSERVE_REGISTRY": registry, "PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu"}
-    with served(tmp_path, env, "--admin-token", TOKEN, "--slots", "4", "--max-wait-ms", "1") as base:
+    with served(tmp_path, env, "--admin-token", TOKEN, "--slots", "4", "--workers", "2") as base:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         patch = make_patch(tiny_encoder, "sentiment")  # the task the schema's examples name
         r = httpx.post(f"{base}/tasks", files={"patch": ("p.safetensors", patch.data)}, headers=auth, timeout=30)

@@ -35,7 +35,7 @@ def _pair_task(patch: Patch) -> Patch:
 def server(tiny_bert_dir, tiny_encoder, tmp_path_factory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("oip")
     env = {"PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu", "PATCHSERVE_REGISTRY": f"disk://{tmp}/r"}
-    with served(tmp, env, "--predict-token", TOKEN, "--admin-token", "adm", "--slots", "4") as base:
+    with served(tmp, env, "--predict-token", TOKEN, "--admin-token", "adm", "--slots", "4", "--workers", "2") as base:
         patches = [
             make_patch(tiny_encoder, "sentiment", seed=1),
             make_patch(tiny_encoder, "sentiment", seed=2),  # version 2 (current)

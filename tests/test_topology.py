@@ -49,7 +49,7 @@ def topology(redis_url, tiny_bert_dir, tmp_path) -> Iterator[tuple[list[str], st
         bases = []
         for i in range(2):
             port = free_port()
-            args = ["serve", "--port", str(port), "--admin-token", TOKEN, "--slots", "4", "--max-wait-ms", "2"]
+            args = ["serve", "--port", str(port), "--admin-token", TOKEN, "--slots", "4", "--workers", "2"]
             stack.enter_context(patchserve_process(args, env, tmp_path / f"server{i}.log"))
             bases.append(f"http://127.0.0.1:{port}")
         stack.enter_context(patchserve_process(["worker", "--name", "topology-worker"], env, tmp_path / "worker.log"))

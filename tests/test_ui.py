@@ -30,7 +30,7 @@ def server(redis_url, tiny_bert_dir, tiny_encoder, tmp_path_factory) -> Iterator
     tmp = tmp_path_factory.mktemp("ui")
     registry = f"{redis_url}?prefix=ui-{uuid.uuid4().hex[:6]}:"
     env = {"PATCHSERVE_REGISTRY": registry, "PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu"}
-    with served(tmp, env, "--admin-token", ADMIN, "--slots", "4") as base:
+    with served(tmp, env, "--admin-token", ADMIN, "--slots", "4", "--workers", "2") as base:
         for seed in (1, 2):
             patch = make_patch(tiny_encoder, "sentiment", seed=seed)
             assert httpx.post(f"{base}/tasks", files={"patch": ("p", patch.data)}, headers=AUTH).status_code == 201

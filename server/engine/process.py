@@ -239,7 +239,14 @@ async def _serve(server: EngineServer, address: str, startup: Connection) -> Non
     gc.collect()
     gc.freeze()  # as in the one-process server: start-up objects out of the collector's way
     startup.send_bytes(msgspec.msgpack.encode(Startup(info=server.info)))
-    log.info("engine ready: %s on %s (%s), %d slots", server.info.name, server.info.device, address, server.info.slots)
+    log.info(
+        "engine ready (pid %d): %s on %s, %d slots, at %s",
+        os.getpid(),
+        server.info.name,
+        server.info.device,
+        server.info.slots,
+        address,
+    )
     try:
         await serving
     finally:

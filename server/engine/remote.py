@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import zmq
@@ -173,7 +174,7 @@ class RemoteEngine:
     def _send_now(self, payload: bytes) -> None:
         """Send at once or raise (``zmq.Again``: no engine connected). A non-blocking send on an asyncio socket
         is finished when it returns; its outcome is on the future it returns."""
-        sent = self._sock.send(payload, zmq.NOBLOCK)
+        sent = cast("asyncio.Future[object]", self._sock.send(payload, zmq.NOBLOCK))
         error = sent.exception() if sent.done() else None
         if error is not None:
             raise error

@@ -1,0 +1,305 @@
+"""``patchserve serve --workers N`` for real: an engine process and front-end processes under their supervisor.
+Answers equal the one-process server's, hot swap reaches every front end, /metrics adds up every process, and the
+faults: an engine killed under load (in-flight requests 503 at once, then it is back), a front end killed (replaced),
+SIGTERM (in-flight requests finish), an engine that cannot start or keeps dying (non-zero exit)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from patches.store import open_registry
+from server.app import create_app
+from server.engine.local import LocalEngine
+from server.engine.process import EngineServer, engine_info
+from server.engine.remote import RemoteEngine
+from server.engine.runner import Row
+from server.engine.slots import PatchCache
+from server.metrics import Metrics
+from server.settings import ServerSettings
+from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
+
+TEXTS = ["the good movie", "a bad film", "the cat runs quickly", "what is the name of the city"]
+
+
+@dataclass
+class Server:
+    base: str
+    proc: object
+    log: Path
+
+    def pids(self, pattern: str) -> list[int]:
+        return [int(p) for p in re.findall(pattern, self.log.read_text())]
+
+    def engine_pid(self) -> int:
+        return self.pids(r"engine ready \(pid (\d+)\)")[-1]
+
+    def front_end_pids(self) -> list[int]:
+        return self.pids(r"Started server process \[(\d+)\]")
+
+
+def _until(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            value = pred()
+            if value:
+                return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def multi(tmp_path: Path, model: Path, registry: str, *args: str) -> Iterator[Server]:
+    port = free_port()
+    log = tmp_path / f"server-{port}.log"
+    serve = ["serve", "--port", str(port), "--model", str(model), "--device", "cpu", "--registry", registry]
+    with patchserve_process([*serve, "--workers", "2", "--slots", "8", *args], {}, log) as proc:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, proc=proc)
+        yield Server(base, proc, log)
+
+
+@pytest.fixture
+def registry_url(tmp_path, tiny_encoder) -> str:
+    url = f"disk://{tmp_path}/registry"
+    reg = open_registry(url)
+    reg.put(make_patch(tiny_encoder, "sent", seed=1))
+    reg.put(make_patch(tiny_encoder, "sts", kind="regression", seed=2))
+    reg.put(make_patch(tiny_encoder, "pos", kind="token-classification", seed=3))
+    reg.close()
+    return url
+
+
+def _predict(base: str, task: str, inputs, **kw) -> httpx.Response:
+    return httpx.post(f"{base}/tasks/{task}/predict", json={"inputs": inputs, **kw}, timeout=30)
+
+
+def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, registry_url):
+    asks = [
+        ("sent", TEXTS, {"all_scores": True}),
+        ("sts", [{"text": t, "text_pair": "the film"} for t in TEXTS], {}),
+        ("pos", TEXTS, {}),
+    ]
+    settings = ServerSettings(registry=registry_url, model=str(tiny_bert_dir), device="cpu", slots=8)
+    with TestClient(create_app(settings)) as client:
+        expected = [client.post(f"/tasks/{t}/predict", json={"inputs": x, **kw}).json() for t, x, kw in asks]
+        embedded = client.post("/embed", json={"inputs": TEXTS}).json()
+    with multi(tmp_path, tiny_bert_dir, registry_url) as server:
+        for (task, inputs, kw), want in zip(asks, expected, strict=True):
+            for _ in range(4):  # new connections: either front end may answer
+                got = _predict(server.base, task, inputs, **kw)
+                assert got.status_code == 200, got.text
+                assert _close(got.json(), want)
+        got = httpx.post(f"{server.base}/embed", json={"inputs": TEXTS}, timeout=30).json()
+        np.testing.assert_allclose(got["embeddings"], embedded["embeddings"], rtol=1e-5, atol=1e-6)
+
+
+def _close(got, want) -> bool:
+    """Equal JSON, numbers to float32 precision (a row's batch companions may change the last bits)."""
+    if isinstance(want, dict):
+        assert set(got) == set(want), (got, want)
+        return all(_close(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        assert len(got) == len(want)
+        return all(_close(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        return True
+    assert got == want
+    return True
+
+
+def test_hot_swap_reaches_every_front_end_and_metrics_add_up(tmp_path, tiny_bert_dir, tiny_encoder, registry_url):
+    with multi(tmp_path, tiny_bert_dir, registry_url) as server:
+        base = server.base
+        first = _predict(base, "sent", "the good movie").json()
+        v2 = make_patch(tiny_encoder, "sent", seed=7)
+        r = httpx.post(f"{base}/tasks", files={"patch": ("p.safetensors", v2.data)}, timeout=30)
+        assert r.status_code == 201 and r.json()["version"] == 2
+        # every front end (new connections land on either) serves v2 within the registry watcher's bound
+        _until(lambda: all(_predict(base, "sent", "x").json()["version"] == 2 for _ in range(10)), 10, "v2 everywhere")
+        r = httpx.post(f"{base}/tasks/sent/rollback", json={"version": 1}, timeout=30)
+        assert r.status_code == 200
+        _until(lambda: all(_predict(base, "sent", "x").json()["version"] == 1 for _ in range(10)), 10, "v1 again")
+        assert _predict(base, "sent", "the good movie").json() == first
+
+        def counted() -> float:
+            text = httpx.get(f"{base}/metrics", timeout=10).text
+            found = re.search(r'patchserve_requests_total\{status="200",task="sts"\} ([0-9.]+)', text)
+            return float(found.group(1)) if found else 0.0
+
+        def rows_run() -> float:
+            text = httpx.get(f"{base}/metrics", timeout=10).text
+            return float(re.search(r"patchserve_batch_rows_sum ([0-9.e+]+)", text).group(1))
+
+        before = rows_run()
+        for _ in range(24):  # one connection each: both front ends count some of them
+            assert _predict(base, "sts", [{"text": "a", "text_pair": "b"}] * 2).status_code == 200
+        assert counted() == 24  # the request counters of both front ends, summed
+        assert rows_run() - before == 48  # the engine's batches, seen from whichever front end answers /metrics
+
+
+def _load(base: str, stop: threading.Event, results: list[tuple[int, float, str]]) -> None:
+    with httpx.Client(timeout=60) as client:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = client.post(f"{base}/tasks/sent/predict", json={"inputs": TEXTS})
+                results.append((r.status_code, time.monotonic() - t0, r.text))
+            except httpx.TransportError as exc:
+                results.append((-1, time.monotonic() - t0, repr(exc)))
+
+
+def test_an_engine_killed_under_load_fails_in_flight_requests_with_503_and_comes_back(
+    tmp_path, tiny_bert_dir, registry_url
+):
+    with multi(tmp_path, tiny_bert_dir, registry_url, "--request-timeout-s", "20") as server:
+        before = _predict(server.base, "sent", TEXTS).json()
+        stop, results = threading.Event(), []
+        threads = [threading.Thread(target=_load, args=(server.base, stop, results)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        _until(lambda: len(results) > 50, 30, "traffic")
+        old = server.engine_pid()
+        os.kill(old, signal.SIGKILL)
+        _until(lambda: server.engine_pid() != old, 60, "a new engine process")
+        _until(lambda: httpx.get(f"{server.base}/readyz", timeout=5).status_code == 200, 60, "ready again")
+        served_after = len(results)
+        _until(lambda: len(results) > served_after + 50, 30, "traffic after the restart")
+        stop.set()
+        for t in threads:
+            t.join(60)
+        statuses = [s for s, _, _ in results]
+        refused = [text for s, _, text in results if s == 503]
+        assert set(statuses) <= {200, 503}, [r for r in results if r[0] not in (200, 503)][:3]
+        assert refused and all("engine process" in text for text in refused), refused[:3]
+        assert max(seconds for _, seconds, _ in results) < 10, "a request waited for an engine that was gone"
+        assert statuses[-50:] == [200] * 50
+        assert _predict(server.base, "sent", TEXTS).json() == before
+    assert "restarting the engine process" in server.log.read_text()
+
+
+def test_a_killed_front_end_is_replaced(tmp_path, tiny_bert_dir, registry_url):
+    with multi(tmp_path, tiny_bert_dir, registry_url) as server:
+        pids = server.front_end_pids()
+        assert len(pids) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        _until(lambda: len(server.front_end_pids()) == 3, 60, "a replacement front end")
+        after_death = lambda: server.log.read_text().partition(f"Child process [{pids[0]}] died")[2]  # noqa: E731
+        _until(lambda: "Application startup complete" in after_death(), 60, "the replacement to start")
+        for _ in range(20):
+            assert _predict(server.base, "sent", "the good movie").status_code == 200
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path, tiny_bert_dir, registry_url):
+    long_text = " ".join(["the good movie"] * 30)
+    with multi(tmp_path, tiny_bert_dir, registry_url, "--max-batch-rows", "1") as server:
+        answers: list[httpx.Response] = []
+        big = [long_text] * 256  # 256 batches of one row each: a request that takes a while
+
+        def ask() -> None:
+            answers.append(_predict(server.base, "sent", big))
+
+        def batches() -> float:
+            text = httpx.get(f"{server.base}/metrics", timeout=10).text
+            return float(re.search(r"patchserve_batch_rows_count ([0-9.e+]+)", text).group(1))
+
+        start = batches()
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        _until(lambda: batches() > start + 20, 30, "the requests to be running")
+        assert any(t.is_alive() for t in threads)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(60) == 0
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(len(a.json()["predictions"]) == 256 for a in answers)
+
+
+def test_an_engine_that_cannot_start_stops_serve_with_status_3(tmp_path):
+    port = free_port()
+    log = tmp_path / "server.log"
+    with patchserve_process(["serve", "--port", str(port), "--model", "/no/such/model"], {}, log) as proc:
+        assert proc.wait(60) == 3
+    assert "does not exist" in log.read_text()
+
+
+def test_an_engine_that_keeps_dying_stops_serve_with_status_1(tmp_path, tiny_bert_dir, registry_url):
+    from server.supervisor import MAX_ENGINE_DEATHS
+
+    with multi(tmp_path, tiny_bert_dir, registry_url) as server:
+        for _ in range(MAX_ENGINE_DEATHS + 1):
+            old = server.engine_pid()
+            os.kill(old, signal.SIGKILL)
+            if server.proc.poll() is None:
+                _until(lambda old=old: server.engine_pid() != old or server.proc.poll() is not None, 60, "a restart")
+        assert server.proc.wait(60) == 1
+    assert "died 6 times" in server.log.read_text()
+
+
+def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_path, tiny_bert_dir, tiny_encoder):
+    """The engine keeps a byte-bounded cache of the patches it was sent (here: room for one); a request for one it
+    evicted is answered Missing, and the front end sends it again with the bytes."""
+    from patches.encoder import load_encoder
+
+    patches = [make_patch(tiny_encoder, f"t{i}", seed=i + 1) for i in range(3)]
+    settings = ServerSettings(model=str(tiny_bert_dir), device="cpu", slots=2)
+    reference = LocalEngine(load_encoder(str(tiny_bert_dir)), settings, Metrics())
+    ids = tiny_encoder.tokenizer(TEXTS)["input_ids"]
+
+    def rows(patch):
+        return [Row(list(i), [0] * len(i), patch) for i in ids]
+
+    expected = {p.patch_id: [o.numpy().copy() for o in reference.runner.run(rows(p))] for p in patches}
+
+    async def scenario() -> list[str]:
+        encoder = load_encoder(str(tiny_bert_dir))
+        spec = encoder.spec
+        engine = LocalEngine(encoder, settings, Metrics())
+        info = engine_info(engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling)
+        server = EngineServer(engine, spec, info, PatchCache(1), settings.max_patch_bytes)
+        address = f"ipc://{tmp_path}/engine"
+        stop, bound = asyncio.Event(), asyncio.Event()
+        engine.start()
+        serving = asyncio.ensure_future(server.serve(address, stop, bound))
+        await bound.wait()
+        remote = RemoteEngine(address)
+        assert (await remote.connect(timeout=10)).fingerprint == spec.fingerprint
+        sent: list[str] = []
+        ask = remote._ask
+
+        async def spy(rid, wire, sending):
+            sent.extend(sending)
+            return await ask(rid, wire, sending)
+
+        remote._ask = spy  # type: ignore[method-assign]
+        for p in [*patches, patches[0], patches[0]]:
+            outputs = await remote.run(rows(p))
+            for got, want in zip(outputs, expected[p.patch_id], strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        await remote.close()
+        stop.set()
+        await serving
+        await engine.stop()
+        return sent
+
+    sent = asyncio.run(scenario())
+    ids_sent = [p.patch_id for p in patches]
+    # each once on first use; t0 again after the cache evicted it (Missing, then resent); then held
+    assert sent == [*ids_sent, ids_sent[0]]
