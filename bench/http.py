@@ -1,20 +1,26 @@
-"""Throughput and latency over HTTP, as a user meets them: a real `patchserve serve` process, load from wrk.
+"""Throughput and latency over HTTP, as a user meets them: real `patchserve serve` processes, load from wrk, against
+the engine's own rows/s on the same model and rows.
 
-    python bench/http.py --quick      # concurrency 64, 1 input, 1 vs 1,000 tasks; last line: JSON
-    python bench/http.py              # the grid -> docs/benchmarks/http.{jsonl,md,png}
-    python bench/http.py --render     # rewrite the table and plot from the JSON lines
+    python bench/http.py --quick                  # concurrency 64, 1 input, 1 vs 1,000 tasks; last line: JSON
+    python bench/http.py --quick --model FREE     # the same with a model that costs almost nothing
+    python bench/http.py                          # the grid -> docs/benchmarks/http.{jsonl,md,png}
+    python bench/http.py --render                 # rewrite the table and plot from the JSON lines
 
-The server runs as its own process (default encoder, a disk registry holding --tasks' largest count of distinct
-tasks, enough slots for all of them, so the figures are steady state, not slot churn; every task is asked once
-before timing). wrk (bench/common.py says why wrk) keeps C connections busy, each request POST
-/tasks/{task}/predict with 1 or 8 real sentences of the shared sets, the task drawn uniformly from the first T
-tasks. Cells (C x T x inputs) run in an order that rotates every repeat, so drift hits all alike; figures are
-medians over the repeats.
+One server per --workers value (0: one process does everything; N: an engine process and N front ends), all started
+at once on a disk registry holding --tasks' largest count of distinct tasks, with enough slots for all of them, so
+the figures are steady state, not slot churn (every task is asked once before timing). wrk (bench/common.py says
+why wrk) keeps C connections busy, each request POST /tasks/{task}/predict with 1 or 8 real sentences of the shared
+sets, the task drawn uniformly from the first T tasks. Cells (workers x C x T x inputs) run in an order that rotates
+every repeat, so drift hits all alike; figures are medians over the repeats.
 
-Per cell: requests/s and rows/s (inputs/s) over HTTP, p50/p95/p99 latency, failures (any non-200), and the
-engine's own rows/s on the same rows -- the rows the server ran divided by the seconds its batches took, from its
-/metrics. The server's overhead is HTTP time per row over engine time per row, minus 1: what parsing, tokenising,
-queueing and answering add to the forward passes.
+--model FREE is the default encoder's real tokenizer over a random BERT of one layer, hidden 32 (built here): the
+model costs almost nothing, so the cell measures the front end's ceiling.
+
+Per cell: requests/s and rows/s (inputs/s) over HTTP, p50/p95/p99 latency, failures (any non-200), the server's
+batches (mean rows, the engine's rows/s inside the server from its /metrics), and the engine alone: this process
+runs the same model on batches of --max-batch-rows rows drawn the same way (same texts, same tasks), back to back,
+interleaved with the cells. ``ratio`` = HTTP rows/s over the engine's rows/s alone; the server's overhead is its
+inverse minus 1 (what parsing, tokenising, queueing and answering add to the forward passes).
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ if __name__ == "__main__":  # run as a script: the repository on sys.path instea
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import os
 import random
 import statistics
 import tempfile
+import time
 from typing import Any
 
 import httpx
@@ -50,11 +59,14 @@ from bench.common import (
     server_figures,
     wrk_script,
 )
-from patches.encoder import load_encoder
+from patches.encoder import Encoder, load_encoder
+from patches.format import Patch
 from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, wait_ready
+from server.engine.runner import Row, Runner
+from server.settings import default_workers
 
-KEYS = ("concurrency", "tasks", "inputs")
+KEYS = ("workers", "concurrency", "tasks", "inputs")
 
 
 def cell_requests(texts: list[str], tasks: int, inputs: int, rng: random.Random) -> list[tuple[str, dict]]:
@@ -86,32 +98,71 @@ def measure(base: str, script: Path, concurrency: int, seconds: float) -> dict[s
     return {**load, **{f"server_{k}": v for k, v in delta.items()}}
 
 
-def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+class EngineAlone:
+    """The engine in this process on the servers' model and tasks: rows/s on full batches, back to back."""
+
+    def __init__(self, model: str, patches: list[Patch], texts: list[str], batch_rows: int, device: str, dtype: str):
+        encoder: Encoder = load_encoder(model)
+        self.tokenizer = encoder.tokenizer
+        self.runner = Runner(encoder, device=device, dtype=dtype, slots=len(patches), max_rows=batch_rows)
+        self.patches, self.texts, self.batch_rows = patches, texts, batch_rows
+        for i in range(0, len(patches), 128):  # every task resident, as in the servers
+            self.runner.run([Row([101, 102], [0, 0], p) for p in patches[i : i + 128]])
+
+    def rows_per_s(self, tasks: int, rng: random.Random, seconds: float = 2.0) -> float:
+        batches = []
+        for _ in range(64):
+            texts = [rng.choice(self.texts) for _ in range(self.batch_rows)]
+            enc = self.tokenizer(texts, truncation=True, max_length=512)
+            types = enc.get("token_type_ids") or [[0] * len(ids) for ids in enc["input_ids"]]
+            tasks_of = [self.patches[rng.randrange(tasks)] for _ in texts]
+            batches.append([Row(ids, t, p) for ids, t, p in zip(enc["input_ids"], types, tasks_of, strict=True)])
+        self.runner.run(batches[0])
+        rows, t0 = 0, time.perf_counter()
+        for batch in itertools.cycle(batches):
+            self.runner.run(batch)
+            rows += len(batch)
+            if time.perf_counter() - t0 >= seconds:
+                return rows / (time.perf_counter() - t0)
+        raise AssertionError("unreachable")
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, {os.cpu_count()} CPU cores"
+    return f"CPU, {os.cpu_count()} cores"
+
+
+def summarise(runs: list[dict[str, Any]], alone: dict[int, list[float]]) -> list[dict[str, Any]]:
     """Medians per cell over its repeats."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
         cells.setdefault(tuple(r[k] for k in KEYS), []).append(r)
     out = []
     for key, rs in sorted(cells.items()):
+        cell = dict(zip(KEYS, key, strict=True))
         med = {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p95_ms", "p99_ms")}
-        rows_s = med["rps"] * key[2]
-        engine = statistics.median(
-            r["server_batch_rows"] / r["server_batch_seconds"] for r in rs if r["server_batch_seconds"] > 0
-        )
+        rows_s = med["rps"] * cell["inputs"]
+        engine_alone = statistics.median(alone[cell["tasks"]])
+        in_server = [r["server_batch_rows"] / r["server_batch_seconds"] for r in rs if r["server_batch_seconds"] > 0]
         out.append(
             {
-                **dict(zip(KEYS, key, strict=True)),
+                **cell,
                 "repeats": len(rs),
                 "rps": round(med["rps"], 1),
                 "rows_per_s": round(rows_s, 1),
-                "engine_rows_per_s": round(engine, 1),
-                "server_overhead": round(engine / rows_s - 1, 3),
+                "engine_alone_rows_per_s": round(engine_alone, 1),
+                "ratio": round(rows_s / engine_alone, 3),
+                "server_overhead": round(engine_alone / rows_s - 1, 3),
+                "engine_in_server_rows_per_s": round(statistics.median(in_server), 1) if in_server else None,
                 "mean_batch_rows": round(
                     sum(r["server_batch_rows"] for r in rs) / max(1, sum(r["server_batches"] for r in rs)), 1
                 ),
-                "p50_ms": round(med["p50_ms"], 1),
-                "p95_ms": round(med["p95_ms"], 1),
-                "p99_ms": round(med["p99_ms"], 1),
+                "p50_ms": round(med["p50_ms"], 2),
+                "p95_ms": round(med["p95_ms"], 2),
+                "p99_ms": round(med["p99_ms"], 2),
                 "failed": sum(r["errors"] for r in rs),
                 "requests": sum(r["requests"] for r in rs),
                 "slot_misses": sum(r["server_slot_misses"] for r in rs),
@@ -120,88 +171,93 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def headline(cells: list[dict[str, Any]], concurrency: int, inputs: int) -> dict[str, Any]:
-    by_tasks = {c["tasks"]: c for c in cells if c["concurrency"] == concurrency and c["inputs"] == inputs}
-    one, most = by_tasks[min(by_tasks)], by_tasks[max(by_tasks)]
+def headline(cells: list[dict[str, Any]], workers: int, concurrency: int, inputs: int) -> dict[str, Any]:
+    mine = {
+        c["tasks"]: c for c in cells if (c["workers"], c["concurrency"], c["inputs"]) == (workers, concurrency, inputs)
+    }
+    one, most = mine[min(mine)], mine[max(mine)]
     return {
         "rps_1_task": one["rps"],
         f"rps_{most['tasks']}_tasks": most["rps"],
         f"ratio_{most['tasks']}_vs_1": round(most["rps"] / one["rps"], 3),
         "p99_ms": most["p99_ms"],
         "server_overhead": most["server_overhead"],
+        "http_vs_engine": most["ratio"],
         "failed": sum(c["failed"] for c in cells),
+        "workers": workers,
     }
 
 
-def ratios_by_cell(cells: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
-    """(concurrency, inputs) -> rows/s with the most tasks over rows/s with the fewest."""
-    out = {}
-    for c, k in sorted({(c["concurrency"], c["inputs"]) for c in cells}):
-        by_tasks = {x["tasks"]: x["rows_per_s"] for x in cells if x["concurrency"] == c and x["inputs"] == k}
-        out[c, k] = by_tasks[max(by_tasks)] / by_tasks[min(by_tasks)]
-    return out
+def _best_workers(cells: list[dict[str, Any]], concurrency: int, inputs: int) -> int:
+    top = max(cells, key=lambda c: c["rows_per_s"] if (c["concurrency"], c["inputs"]) == (concurrency, inputs) else -1)
+    return int(top["workers"])
 
 
 def render(jsonl: Path) -> None:
-    meta, cells = latest_run(jsonl)
-    conc = max(c["concurrency"] for c in cells)
-    head = headline(cells, conc, 1)
+    meta, lines = latest_run(jsonl)
+    cells = [c for c in lines if c["kind"] == "cell"]
+    conc, one_input = max(c["concurrency"] for c in cells), min(c["inputs"] for c in cells)
+    best = _best_workers(cells, conc, one_input)
+    head = headline(cells, best, conc, one_input)
     ratio_key = next(k for k in head if k.startswith("ratio_"))
+    most_tasks = max(c["tasks"] for c in cells)
+    most_rps = head[f"rps_{most_tasks}_tasks"]
     md = [
         "# HTTP throughput and latency over many tasks",
         "",
-        f"Written by `{meta['command']}` on {meta['machine']}, {meta['date']} (torch {meta['torch']}, commit "
-        f"{meta['commit']}); server: {meta['server']}. Load: wrk, closed loop, each connection one request at a time; "
-        f"{meta['seconds']:g} s per cell, medians over {meta['repeats']} repeats (cells interleaved).",
+        f"Written by `{meta['command']}` on {meta['machine']} ({meta['device']}), {meta['date']} (torch "
+        f"{meta['torch']}, commit {meta['commit']}); server: {meta['server']}. Load: wrk, closed loop, each connection "
+        f"one request at a time; {meta['seconds']:g} s per cell, medians over {meta['repeats']} repeats (cells "
+        "interleaved). workers 0 = one process does everything; N = an engine process and N front ends.",
         "",
-        "rows/s = inputs/s. engine rows/s = the rows the server ran / the seconds its forward passes took (its own "
-        "/metrics). overhead = engine time per row over HTTP time per row, minus 1.",
+        "rows/s = inputs/s. engine alone = the same model on batches of the servers' largest size, same texts and "
+        "tasks, run back to back in the benchmark's own process between cells. ratio = HTTP rows/s / engine alone; "
+        "overhead = its inverse - 1. in server = the rows the server ran / the seconds its forward passes took (its "
+        "/metrics).",
         "",
-        "## Goals (issue 15)",
+        "## Headline",
         "",
-        f"- {max(c['tasks'] for c in cells):,} tasks at >= 0.9x the 1-task throughput (concurrency {conc}, 1 input): "
-        f"**{head[ratio_key]:.2f}x** -- {'met' if head[ratio_key] >= 0.9 else 'missed'}. Every cell's ratio: "
-        + ", ".join(f"c={c} x {k} input(s) {r:.2f}x" for (c, k), r in ratios_by_cell(cells).items())
-        + ".",
-        f"- the server adds <= 20% to the engine's time at concurrency {conc}: **{head['server_overhead']:+.0%}** "
-        f"(1 input, {max(c['tasks'] for c in cells):,} tasks) -- "
-        f"{'met' if head['server_overhead'] <= 0.2 else 'missed'}; per cell below.",
+        f"- Best workers at concurrency {conc}, {one_input} input: **{best}**; {most_tasks:,} tasks: "
+        f"**{most_rps:,.0f} req/s**, "
+        f"{head[ratio_key]:.2f}x the 1-task throughput, {head['http_vs_engine']:.0%} of the engine alone, p99 "
+        f"{head['p99_ms']} ms, {head['failed']} failed in the whole run.",
         "",
-        "| concurrency | tasks | inputs | req/s | rows/s | engine rows/s | overhead | mean batch | p50 ms | p95 ms "
-        "| p99 ms | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workers | concurrency | tasks | inputs | req/s | rows/s | engine alone | ratio | overhead | in server "
+        "| mean batch | p50 ms | p95 ms | p99 ms | failed |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in sorted(cells, key=lambda c: (c["inputs"], c["concurrency"], c["tasks"])):
+    for c in sorted(cells, key=lambda c: (c["inputs"], c["concurrency"], c["tasks"], c["workers"])):
         md.append(
-            f"| {c['concurrency']} | {c['tasks']:,} | {c['inputs']} | {c['rps']:.1f} | {c['rows_per_s']:.1f} | "
-            f"{c['engine_rows_per_s']:.1f} | {c['server_overhead']:+.0%} | {c['mean_batch_rows']} | {c['p50_ms']} | "
-            f"{c['p95_ms']} | {c['p99_ms']} | {c['failed']} |"
+            f"| {c['workers']} | {c['concurrency']} | {c['tasks']:,} | {c['inputs']} | {c['rps']:,.1f} | "
+            f"{c['rows_per_s']:,.1f} | {c['engine_alone_rows_per_s']:,.0f} | {c['ratio']:.2f} | "
+            f"{c['server_overhead']:+.0%} | {c['engine_in_server_rows_per_s'] or 0:,.0f} | {c['mean_batch_rows']} | "
+            f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | {c['failed']} |"
         )
-    md += [
-        "",
-        "Reading it: at concurrency 64 the engine is busy all the time and the server's share (HTTP, JSON, "
-        "tokenising, queueing) is a few percent. At concurrency 1 and 8 the share is large because the engine waits "
-        "for work: a request's batch waits up to --max-wait-ms (5 ms) for company, and the engine idles while the "
-        "next request is parsed and tokenised; that is latency, not lost capacity. The task count barely moves "
-        "anything (same rows, same forward: a task is a gather index); differences of up to ~10% between task "
-        "counts in the same row are of the order of the repeat-to-repeat noise of this shared machine.",
-    ]
+    if meta.get("notes"):
+        md += ["", meta["notes"]]
     (jsonl.parent / "http.md").write_text("\n".join(md) + "\n")
     plt = pyplot()
     if plt is None:
         return
     inputs = sorted({c["inputs"] for c in cells})
     fig, axes = plt.subplots(2, len(inputs), figsize=(5 * len(inputs), 6.5), squeeze=False)
+    most = max(c["tasks"] for c in cells)
     for j, k in enumerate(inputs):
-        for t in sorted({c["tasks"] for c in cells}):
-            mine = sorted((c for c in cells if c["inputs"] == k and c["tasks"] == t), key=lambda c: c["concurrency"])
+        for w in sorted({c["workers"] for c in cells}):
+            mine = sorted(
+                (c for c in cells if c["inputs"] == k and c["tasks"] == most and c["workers"] == w),
+                key=lambda c: c["concurrency"],
+            )
             xs = [c["concurrency"] for c in mine]
-            axes[0][j].plot(xs, [c["rows_per_s"] for c in mine], marker="o", label=f"{t:,} tasks")
-            axes[1][j].plot(xs, [c["p99_ms"] for c in mine], marker="o", label=f"{t:,} tasks")
+            label = "one process" if w == 0 else f"{w} front end{'s' if w > 1 else ''}"
+            axes[0][j].plot(xs, [c["rows_per_s"] for c in mine], marker="o", label=label)
+            axes[1][j].plot(xs, [c["p99_ms"] for c in mine], marker="o", label=label)
+        alone = [c["engine_alone_rows_per_s"] for c in cells if c["inputs"] == k and c["tasks"] == most]
+        axes[0][j].axhline(statistics.median(alone), color="grey", linestyle="--", label="engine alone")
         for ax, label in ((axes[0][j], "rows/s over HTTP"), (axes[1][j], "p99 latency (ms)")):
             ax.set_xscale("log", base=2)
-            ax.set(xlabel="concurrency (connections)", ylabel=label, title=f"{k} input(s) per request")
-            ax.legend()
+            ax.set(xlabel="concurrency (connections)", ylabel=label, title=f"{k} input(s) per request, {most:,} tasks")
+            ax.legend(fontsize=8)
     fig.suptitle(f"patchserve over HTTP: {meta['server']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(jsonl.parent / "http.png", dpi=100)
@@ -210,25 +266,42 @@ def render(jsonl: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="concurrency 64, 1 input, 1 and 1,000 tasks, 2 x 5 s")
+    ap.add_argument(
+        "--workers",
+        default=None,
+        help="front ends (comma-separated; 0 = one process). Default: 0, "
+        "then 1, 2, 4, ... up to the CPU count; --quick: the server's default",
+    )
     ap.add_argument("--concurrency", default="1,8,64", help="open connections (comma-separated)")
-    ap.add_argument("--tasks", default="1,100,1000", help="tasks the traffic spreads over (comma-separated)")
+    ap.add_argument("--tasks", default="1,1000", help="tasks the traffic spreads over (comma-separated)")
     ap.add_argument("--inputs", default="1,8", help="inputs per request (comma-separated)")
     ap.add_argument("--seconds", type=float, default=10.0, help="load per cell and repeat")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="default", help="encoder: default, a folder, or FREE (see above)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-batch-rows", type=int, default=32, help="the servers' batch bound (and the engine's)")
     ap.add_argument("--data", type=Path, default=DATA, help="folder of */dev.jsonl sets (the request texts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT / "http.jsonl", help="JSON lines of full runs (appended)")
+    ap.add_argument("--note", default="", help="a note for the table (what else ran on the machine, say)")
     ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from --out")
     args = ap.parse_args()
     if args.render:
         render(args.out)
         return
+    cpus = os.cpu_count() or 1
+    if args.workers is None:
+        args.workers = (
+            str(default_workers())
+            if args.quick
+            else ",".join(str(w) for w in [0, *itertools.takewhile(lambda w: w <= cpus, (2**i for i in range(8)))])
+        )
     if args.quick:
         args.concurrency, args.tasks, args.inputs, args.seconds, args.repeats = "64", "1,1000", "1", 5.0, 2
-    concs, task_counts, inputs = ([int(x) for x in s.split(",")] for s in (args.concurrency, args.tasks, args.inputs))
+    workers, concs, task_counts, inputs = (
+        [int(x) for x in s.split(",")] for s in (args.workers, args.concurrency, args.tasks, args.inputs)
+    )
     n_tasks = max(task_counts)
     texts = sentences(args.data, args.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-http-"))
@@ -238,46 +311,51 @@ def main() -> None:
     del encoder
     registry = f"disk://{work / 'registry'}"
     print(f"registering {n_tasks} tasks: {fill_registry(registry, patches):.1f} s", file=sys.stderr)
-    port, base = free_port(), ""
-    serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
-    serve += ["--slots", str(n_tasks), "--registry", registry]
     rng = random.Random(args.seed)
     scripts = {
         (t, k): wrk_script(work / f"t{t}-k{k}.lua", cell_requests(texts, t, k, rng))
         for t, k in itertools.product(task_counts, inputs)
     }
-    cells = list(itertools.product(concs, task_counts, inputs))
+    alone_engine = EngineAlone(model, patches, texts, args.max_batch_rows, args.device, args.dtype)
+    alone: dict[int, list[float]] = {t: [] for t in task_counts}
+    cells = list(itertools.product(workers, concs, task_counts, inputs))
     runs: list[dict[str, Any]] = []
-    with patchserve_process(serve, {}, work / "server.log"):
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base)
-        asyncio.run(touch_all(base, n_tasks, texts[0]))
-        for t, k in scripts:  # a short warm-up of each shape (and of wrk's connections)
-            run_wrk(base, scripts[t, k], max(concs), 1)
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for w in workers:
+            port = free_port()
+            serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
+            serve += ["--slots", str(n_tasks), "--registry", registry, "--workers", str(w)]
+            serve += ["--max-batch-rows", str(args.max_batch_rows)]
+            proc = stack.enter_context(patchserve_process(serve, {}, work / f"server-w{w}.log"))
+            bases[w] = f"http://127.0.0.1:{port}"
+            wait_ready(bases[w], proc=proc)
+            asyncio.run(touch_all(bases[w], n_tasks, texts[0]))
+            for t, k in scripts:  # a short warm-up of each shape (and of wrk's connections)
+                run_wrk(bases[w], scripts[t, k], max(concs), 1)
         for rep in range(args.repeats):
+            for t in task_counts:
+                alone[t].append(alone_engine.rows_per_s(t, rng))
             shift = rep * (len(cells) // args.repeats or 1)
-            for c, t, k in cells[shift:] + cells[:shift]:
-                r = {
-                    "concurrency": c,
-                    "tasks": t,
-                    "inputs": k,
-                    "repeat": rep,
-                    **measure(base, scripts[t, k], c, args.seconds),
-                }
+            for w, c, t, k in cells[shift:] + cells[:shift]:
+                r = {"workers": w, "concurrency": c, "tasks": t, "inputs": k, "repeat": rep}
+                r |= measure(bases[w], scripts[t, k], c, args.seconds)
                 print(
                     json.dumps({x: round(v, 2) if isinstance(v, float) else v for x, v in r.items()}), file=sys.stderr
                 )
                 runs.append(r)
-    summary = summarise(runs)
-    head = headline(summary, max(concs), min(inputs))
+    summary = summarise(runs, alone)
+    head = headline(summary, _best_workers(summary, max(concs), min(inputs)), max(concs), min(inputs))
     if not args.quick:
         meta = {
             "command": "python bench/http.py " + " ".join(sys.argv[1:]),
             "server": f"{args.model} encoder on {args.device} ({args.dtype}), disk registry, {n_tasks:,} tasks in "
-            f"{n_tasks:,} slots, default batching",
+            f"{n_tasks:,} slots, batches of up to {args.max_batch_rows} rows",
+            "device": device_name(args.device),
             "seconds": args.seconds,
             "repeats": args.repeats,
             "headline": head,
+            "notes": args.note,
         }
         append_run(args.out, meta, [{"kind": "cell", **c} for c in summary])
         render(args.out)

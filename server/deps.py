@@ -78,13 +78,15 @@ class Service:
     queue: JobQueue | None = None
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
     svc: Service | None = getattr(request.app.state, "service", None)
     if svc is None:
         raise HTTPException(503, "the server is still starting (loading the encoder); retry shortly")
     return svc
 
 
+# Every dependency is ``async def``: FastAPI runs a plain ``def`` one in a worker thread, a hop that costs far more
+# than these checks (they do no I/O).
 ServiceDep = Annotated[Service, Depends(get_service)]
 
 
@@ -119,7 +121,7 @@ def _require(
         raise HTTPException(403, forbidden)
 
 
-def require_admin(credentials: Credentials, svc: ServiceDep) -> None:
+async def require_admin(credentials: Credentials, svc: ServiceDep) -> None:
     _require(
         credentials,
         (svc.settings.admin_token,),
@@ -129,7 +131,7 @@ def require_admin(credentials: Credentials, svc: ServiceDep) -> None:
     )
 
 
-def require_predict(credentials: Credentials, svc: ServiceDep) -> None:
+async def require_predict(credentials: Credentials, svc: ServiceDep) -> None:
     """With a predict token set, predict needs it (or the admin token); with only an admin token, predict is open."""
     if svc.settings.predict_token is None:
         return
@@ -141,7 +143,7 @@ def require_predict(credentials: Credentials, svc: ServiceDep) -> None:
     )
 
 
-def require_reader(credentials: Credentials, svc: ServiceDep) -> None:
+async def require_reader(credentials: Credentials, svc: ServiceDep) -> None:
     """Reads of tasks and jobs (metadata, configs, errors, tracebacks) need the predict or the admin token whenever
     either is set; probes and metrics stay open."""
     _require(

@@ -33,7 +33,7 @@ class ClientGoneError(Exception):
     """The client disconnected before its answer was ready (answered 499, which nobody receives)."""
 
 
-def _count(request: Request) -> None:
+async def _count(request: Request) -> None:
     request.state.task = UNKNOWN_TASK
 
 

@@ -38,6 +38,13 @@ class ServerSettings(BaseSettings):
         "replaced, an engine that dies is restarted. 0: one process does everything (no IPC). Default: "
         f"{DEFAULT_WORKERS_RULE}.",
     )
+    engine_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads of the engine's forward pass (torch intra-op threads) with --workers N >= 1. "
+        "Default: the CPU cores the front ends leave, at least 1 -- more threads than free cores make every forward "
+        "wait for a descheduled thread.",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 to accept connections from others.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
     registry: str = Field(
@@ -145,11 +152,23 @@ class ServerSettings(BaseSettings):
         True, description="Fold the value bias into the attention-output bias per task (exact)."
     )
     log_level: str = Field("info", description="Log level: debug, info, warning or error.")
+    access_log: bool = Field(
+        False,
+        description="Log a line per HTTP request (uvicorn's access log). Off by default: at thousands of requests a "
+        "second it costs a front end about 7% of its time; /metrics counts requests by task and status.",
+    )
 
     @property
     def front_ends(self) -> int:
         """The front-end processes to run: ``workers``, or the default for this machine."""
         return default_workers() if self.workers is None else self.workers
+
+    @property
+    def forward_threads(self) -> int:
+        """The engine process's torch threads: ``engine_threads``, or the cores the front ends leave."""
+        if self.engine_threads is not None:
+            return self.engine_threads
+        return max(1, (os.cpu_count() or 1) - self.front_ends)
 
     def to_json(self) -> str:
         """Every setting, secrets included, for the server's own child processes (``from_json``)."""

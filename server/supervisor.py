@@ -3,7 +3,8 @@ socket, and this process watching over both (the way vLLM splits its API servers
 
 * The engine process (``server/engine/process.py``) starts first; the front ends start once it is ready. If it
   cannot start, ``serve`` exits with status 3 and the engine's reason.
-* The front ends are uvicorn worker processes under uvicorn's own supervisor, which replaces one that dies.
+* The front ends are uvicorn worker processes, each on its own SO_REUSEPORT socket (the kernel spreads connections
+  over them); one that dies or stops answering its health check is replaced.
 * An engine that dies is restarted; its front ends answer 503 (Retry-After) meanwhile, and the requests it held get
   a 503 at once. An engine that dies more than ``MAX_ENGINE_DEATHS`` times in ``ENGINE_DEATH_WINDOW_S`` seconds,
   or whose restart fails, stops the server with status 1, so an orchestrator can act.
@@ -21,17 +22,19 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from socket import socket
 
 import msgspec
 from uvicorn import Config
-from uvicorn.supervisors.multiprocess import Multiprocess
+from uvicorn.config import STARTUP_FAILURE as FRONT_END_STARTUP_FAILURE
+from uvicorn.supervisors.multiprocess import Process as FrontEnd  # a uvicorn worker process with a health check
 
 from server.app import ENGINE_ADDRESS_ENV, SETTINGS_ENV
 from server.engine.process import STARTUP_FAILURE, Startup, run_engine_process
@@ -114,23 +117,78 @@ class EngineProcess:
             self.process.join(10)
 
 
-class Supervisor(Multiprocess):
-    """uvicorn's supervisor of the front ends, watching the engine process too."""
+def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` sockets bound to ``host:port`` with SO_REUSEPORT, one per front end: the kernel spreads new connections
+    over them, where one shared socket lets whichever process wakes first take a burst of them (wrk's 64 connections
+    all landed on one of two front ends). Where SO_REUSEPORT is missing, one socket shared by all. Raises OSError
+    when the port is taken (checked without SO_REUSEPORT first: another server with it would otherwise share it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    sockets = []
+    for _ in range(n if reuse_port is not None else 1):
+        sock = socket.socket(family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port is not None:
+            sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+        sockets.append(sock)
+    return sockets * n if len(sockets) == 1 else sockets
 
-    def __init__(self, config: Config, sockets: list[socket], engine: EngineProcess, metrics_dir: Path) -> None:
-        super().__init__(config, sockets)
+
+class Supervisor:
+    """Watches the front ends (uvicorn worker processes, each on its own socket) and the engine process until
+    SIGTERM or SIGINT, then stops them in order: front ends first (they drain), the engine last."""
+
+    def __init__(self, config: Config, sockets: list[socket.socket], engine: EngineProcess, metrics_dir: Path) -> None:
+        self.config = config
+        self.sockets = sockets
         self.engine = engine
         self.metrics_dir = metrics_dir
+        self.front_ends: list[FrontEnd] = []
         self.deaths: deque[float] = deque()
         self.exit_code = 0
+        self.should_exit = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
 
-    def keep_subprocess_alive(self) -> None:
-        before = {p.pid for p in self.processes}
-        super().keep_subprocess_alive()
-        for pid in before - {p.pid for p in self.processes}:
-            if pid is not None:
-                self._forget_metrics(pid)
-        self._watch_engine()
+    def _on_signal(self, sig: int, _: object) -> None:
+        log.info("received %s: stopping (in-flight requests finish first)", signal.Signals(sig).name)
+        self.should_exit.set()
+
+    def run(self) -> None:
+        self.front_ends = [self._start_front_end(sock) for sock in self.sockets]
+        while not self.should_exit.wait(0.5):
+            self._watch_front_ends()
+            self._watch_engine()
+        for front_end in self.front_ends:
+            front_end.terminate()
+        for front_end in self.front_ends:
+            front_end.join()
+
+    def _start_front_end(self, sock: socket.socket) -> FrontEnd:
+        front_end = FrontEnd(self.config, [sock])
+        front_end.start()
+        return front_end
+
+    def _watch_front_ends(self) -> None:
+        """Replace a front end that died or stopped answering its health check (uvicorn's own rule)."""
+        for i, front_end in enumerate(self.front_ends):
+            if self.should_exit.is_set() or front_end.is_alive(timeout=self.config.timeout_worker_healthcheck):
+                continue
+            front_end.kill()
+            front_end.join()
+            if front_end.pid is not None:
+                self._forget_metrics(front_end.pid)
+            if front_end.exitcode == FRONT_END_STARTUP_FAILURE:  # its app cannot start: a replacement would too
+                self._fail(f"front end {front_end.pid} failed to start")
+                return
+            log.warning("front end %s died (exit status %s); starting another", front_end.pid, front_end.exitcode)
+            self.front_ends[i] = self._start_front_end(self.sockets[i])
 
     def _watch_engine(self) -> None:
         if self.should_exit.is_set():
@@ -178,6 +236,22 @@ def serve(settings: ServerSettings) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # read by every child when it imports prometheus_client
     os.environ[ENGINE_ADDRESS_ENV] = address
     os.environ[SETTINGS_ENV] = settings.to_json()
+    config = Config(
+        "server.app:front_end_factory",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        http="auto",  # httptools and uvloop (dependencies of patchserve) where they import
+        loop="auto",
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    try:  # first: a port in use fails before a model is loaded
+        sockets = listening_sockets(settings.host, settings.port, settings.front_ends)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
+        return 1
     engine = EngineProcess(settings, address)
     try:
         log.info("starting the engine process (%s on %s)", settings.model, settings.device)
@@ -187,21 +261,12 @@ def serve(settings: ServerSettings) -> int:
         except EngineStartError as exc:
             log.error("the engine process could not start: %s", exc)
             return STARTUP_FAILURE
-        config = Config(
-            "server.app:front_end_factory",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.front_ends,
-            http="auto",  # httptools and uvloop (dependencies of patchserve) where they import
-            loop="auto",
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-        supervisor = Supervisor(config, [config.bind_socket()], engine, metrics_dir)
-        log.info("starting %d front-end processes on %s:%d", settings.front_ends, settings.host, settings.port)
+        supervisor = Supervisor(config, sockets, engine, metrics_dir)
+        log.info("starting %d front-end processes on http://%s:%d", settings.front_ends, settings.host, settings.port)
         supervisor.run()
         return supervisor.exit_code
     finally:
         engine.stop()
+        for sock in sockets:
+            sock.close()
         shutil.rmtree(workdir, ignore_errors=True)

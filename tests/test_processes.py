@@ -199,7 +199,7 @@ def test_a_killed_front_end_is_replaced(tmp_path, tiny_bert_dir, registry_url):
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
         _until(lambda: len(server.front_end_pids()) == 3, 60, "a replacement front end")
-        after_death = lambda: server.log.read_text().partition(f"Child process [{pids[0]}] died")[2]  # noqa: E731
+        after_death = lambda: server.log.read_text().partition(f"front end {pids[0]} died")[2]  # noqa: E731
         _until(lambda: "Application startup complete" in after_death(), 60, "the replacement to start")
         for _ in range(20):
             assert _predict(server.base, "sent", "the good movie").status_code == 200

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -28,6 +29,8 @@ from server.engine.runner import Pending, Row, Runner
 from server.engine.slots import SlotsExhaustedError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class OverloadedError(RuntimeError):
@@ -61,7 +64,11 @@ class Batcher:
         max_wait_ms: float = 5.0,
         max_queue_rows: int = 1024,
         on_batch: Callable[[BatchStats], None] | None = None,
+        inline: bool = False,
     ) -> None:
+        """``inline``: run the runner on the event loop's own thread (a process that does nothing else, the engine
+        process: no thread hand-off, no GIL contention between the loop and the forward; messages that arrive
+        meanwhile wait in their socket). Otherwise on a worker thread, so the loop keeps answering HTTP."""
         self.runner = runner
         self.max_rows = max_rows
         self.max_tokens = max_tokens
@@ -71,7 +78,7 @@ class Batcher:
         self.on_batch = on_batch
         self._queue: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchserve-runner")
+        self._executor = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchserve-runner")
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -90,7 +97,8 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(OverloadedError("server is shutting down"))
         self._queue.clear()
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     def submit(self, rows: Sequence[Row]) -> list[asyncio.Future[torch.Tensor]]:
         """Enqueue rows; returns one future per row. Raises OverloadedError when the queue is full."""
@@ -166,14 +174,13 @@ class Batcher:
     async def _loop(self) -> None:
         """Launch a batch; while the device runs it, launch the next one if rows are already waiting (its host work
         overlaps the device's); then finish the older one. At most two batches are in flight."""
-        loop = asyncio.get_running_loop()
         inflight: deque[tuple[list[_Item], Pending, float]] = deque()
         while True:
             batch = await self._collect() if not inflight else await self._collect_behind()
             if batch:
                 t0 = time.perf_counter()
                 try:
-                    pending = await loop.run_in_executor(self._executor, self.runner.launch, [i.row for i in batch])
+                    pending = await self._call(self.runner.launch, [i.row for i in batch])
                 except SlotsExhaustedError as exc:
                     if inflight:  # its slots are pinned by the batch in flight: finish that one, then retry
                         self._queue.extendleft(reversed(batch))
@@ -191,16 +198,22 @@ class Batcher:
             if inflight:
                 await self._finish(*inflight.popleft())
 
+    async def _call(self, fn: Callable[[T], R], arg: T) -> R:
+        if self._executor is None:
+            result = fn(arg)
+            await asyncio.sleep(0)  # let the loop take in what arrived meanwhile
+            return result
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, arg)
+
     def _fail(self, batch: list[_Item], exc: BaseException) -> None:
         for item in batch:
             if not item.future.done():
                 item.future.set_exception(exc)
 
     async def _finish(self, batch: list[_Item], pending: Pending, t0: float) -> None:
-        loop = asyncio.get_running_loop()
         rows = [i.row for i in batch]
         try:
-            outputs = await loop.run_in_executor(self._executor, self.runner.finish, pending)
+            outputs = await self._call(self.runner.finish, pending)
         except Exception as exc:
             log.exception("batch of %d rows failed", len(rows))
             self._fail(batch, exc)

@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class LocalEngine:
-    def __init__(self, encoder: Encoder, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, encoder: Encoder, settings: ServerSettings, metrics: Metrics, *, inline: bool = False) -> None:
         """Move ``encoder`` to the device (the runner owns it from now on) and set up the batcher; ``start`` it
-        inside the event loop that will submit rows."""
+        inside the event loop that will submit rows. ``inline``: run the device on the loop's thread (the engine
+        process, whose loop has nothing else to do; see ``Batcher``)."""
         self.metrics = metrics
         self.runner = Runner(
             encoder,
@@ -50,6 +51,7 @@ class LocalEngine:
             max_wait_ms=settings.max_wait_ms,
             max_queue_rows=settings.max_queue_rows,
             on_batch=self._observe,
+            inline=inline,
         )
 
     @property
@@ -72,7 +74,6 @@ class LocalEngine:
     async def run(self, rows: Sequence[Row]) -> list[np.ndarray]:
         """Each row's output (float32: logits, per-token logits or an embedding). Cancelling the call drops the rows
         that have not reached the device."""
-        self.metrics.queue_rows.set(self.batcher.queued_rows + len(rows))
         outputs = await asyncio.gather(*self.batcher.submit(rows))
         return [t.numpy() for t in outputs]
 

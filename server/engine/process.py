@@ -24,18 +24,19 @@ import signal
 import sys
 import uuid
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
-import numpy as np
+import torch
 import zmq
-import zmq.asyncio
 
-from patches.encoder import load_encoder
+from patches.encoder import load_encoder, resolve_device
 from patches.errors import PatchError, PatchServeError
 from patches.format import BaseSpec, Patch
 from patches.store import open_registry
 from server.catalog import Catalog
 from server.engine.batcher import OverloadedError
+from server.engine.channel import Channel
 from server.engine.local import LocalEngine
 from server.engine.protocol import (
     BASE_KEY,
@@ -67,7 +68,11 @@ class Startup(msgspec.Struct, frozen=True):
 
 
 class EngineServer:
-    """Serves one ``LocalEngine`` to the front ends connected to a ROUTER socket."""
+    """Serves one ``LocalEngine`` to the front ends connected to a ROUTER socket.
+
+    A request whose patches are all at hand goes to the batcher straight from the receive callback, and its answer
+    is sent from the callback of its rows' futures: no task per request. One that brings patch bytes waits for them
+    to be parsed (off the loop) first."""
 
     def __init__(self, engine: LocalEngine, spec: BaseSpec, info: Info, cache: PatchCache, max_patch_bytes: int):
         self.engine = engine
@@ -75,82 +80,109 @@ class EngineServer:
         self.info = info
         self.cache = cache
         self.max_patch_bytes = max_patch_bytes
-        self._inflight: dict[tuple[bytes, int], asyncio.Task[None]] = {}
+        self._inflight: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
         self._parsing: dict[str, asyncio.Task[Patch]] = {}
-        self._sock: zmq.asyncio.Socket | None = None
+        self._channel: Channel | None = None
 
     async def serve(self, address: str, stop: asyncio.Event, on_bound: asyncio.Event | None = None) -> None:
         """Answer front ends at ``address`` until ``stop`` is set, then finish the requests already taken."""
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop an answer to a connected front end
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(address)
-        self._sock = sock
+        self._channel = Channel(sock, self._on_message)
         if on_bound is not None:
             on_bound.set()
-        receiver = asyncio.ensure_future(self._receive(sock))
         try:
             await stop.wait()
         finally:
-            receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await receiver
             if self._inflight:
                 log.info("engine: draining %d requests", len(self._inflight))
                 await asyncio.wait(list(self._inflight.values()), timeout=60)
-            sock.close()
+            self._channel.close()
             ctx.term()
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            ident, payload = await sock.recv_multipart()
-            try:
-                msg = to_engine.decode(payload)
-            except msgspec.DecodeError as exc:  # a bug or a stranger on the socket: say so, keep serving
-                log.error("engine: undecodable message from a front end: %s", exc)
-                continue
-            if isinstance(msg, Infer):
-                key = (ident, msg.id)
-                self._inflight[key] = asyncio.ensure_future(self._infer(ident, msg))
-                self._inflight[key].add_done_callback(functools.partial(self._forget, key))
-            elif isinstance(msg, Cancel):
-                running = self._inflight.get((ident, msg.id))
-                if running is not None:
-                    running.cancel()
-            elif isinstance(msg, Hello):
-                self._send(ident, self.info)
-
-    def _forget(self, key: tuple[bytes, int], _: object) -> None:
-        self._inflight.pop(key, None)
+    def _on_message(self, frames: list[bytes]) -> None:
+        ident, payload = frames
+        try:
+            msg = to_engine.decode(payload)
+        except msgspec.DecodeError as exc:  # a bug or a stranger on the socket: say so, keep serving
+            log.error("engine: undecodable message from a front end: %s", exc)
+            return
+        if isinstance(msg, Infer):
+            found = self._held(msg)
+            if found is None:
+                self._track(ident, msg.id, asyncio.ensure_future(self._infer_after_parsing(ident, msg)))
+            else:
+                self._submit(ident, msg, found)
+        elif isinstance(msg, Cancel):
+            running = self._inflight.get((ident, msg.id))
+            if running is not None:
+                running.cancel()  # its rows are dropped before they reach the device
+        elif isinstance(msg, Hello):
+            self._send(ident, self.info)
 
     def _send(self, ident: bytes, msg: Info | Outputs | Missing | Failed) -> None:
-        assert self._sock is not None
-        self._sock.send_multipart([ident, encode(msg)])  # a ROUTER drops what it cannot deliver (a gone front end)
+        assert self._channel is not None
+        self._channel.send([ident, encode(msg)])  # a ROUTER drops what it cannot deliver (a gone front end)
 
-    async def _infer(self, ident: bytes, msg: Infer) -> None:
+    def _track(self, ident: bytes, rid: int, future: asyncio.Future[Any]) -> None:
+        key = (ident, rid)
+        self._inflight[key] = future
+        future.add_done_callback(lambda _: self._inflight.pop(key, None))
+
+    def _held(self, msg: Infer) -> dict[str, Patch] | None:
+        """The request's patches when every one is in the cache and it brings no bytes; else None."""
+        if msg.patches:
+            return None
+        found = {}
+        for pid in {r.key for r in msg.rows if r.key != BASE_KEY}:
+            patch = self.cache.get(pid)
+            if patch is None:
+                return None
+            found[pid] = patch
+        return found
+
+    def _submit(self, ident: bytes, msg: Infer, patches: dict[str, Patch]) -> None:
+        rows = [Row(r.input_ids, r.token_type_ids, patches.get(r.key), r.output) for r in msg.rows]
         try:
-            patches = await self._patches(msg)
-            if isinstance(patches, Missing):
-                self._send(ident, patches)
-                return
-            rows = [Row(r.input_ids, r.token_type_ids, patches.get(r.key), r.output) for r in msg.rows]
-            outputs = await self.engine.run(rows)
-        except asyncio.CancelledError:
-            return  # the front end cancelled (client gone, timeout): nobody waits for an answer
+            futures = self.engine.batcher.submit(rows)
         except OverloadedError as exc:
             self._send(ident, Failed(msg.id, 503, str(exc)))
-        except SlotsExhaustedError as exc:
-            self._send(ident, Failed(msg.id, 503, f"{exc}; retry shortly"))
+            return
+        gathered = asyncio.gather(*futures)
+        self._track(ident, msg.id, gathered)
+        gathered.add_done_callback(functools.partial(self._answer, ident, msg.id))
+
+    def _answer(self, ident: bytes, rid: int, gathered: asyncio.Future[list[torch.Tensor]]) -> None:
+        if gathered.cancelled():
+            return  # the front end cancelled (client gone, timeout): nobody waits for an answer
+        exc = gathered.exception()
+        if exc is None:
+            outputs = gathered.result()
+            data = b"".join(o.numpy().tobytes() for o in outputs)  # float32 CPU tensors, little-endian
+            self._send(ident, Outputs(rid, data, [list(o.shape) for o in outputs]))
+        elif isinstance(exc, SlotsExhaustedError):
+            self._send(ident, Failed(rid, 503, f"{exc}; retry shortly"))
+        else:  # a failed batch fails its requests, never the engine (the batcher has logged it)
+            self._send(ident, Failed(rid, 500, f"the engine failed to run the request: {exc}"))
+
+    async def _infer_after_parsing(self, ident: bytes, msg: Infer) -> None:
+        try:
+            patches = await self._patches(msg)
         except PatchError as exc:
             self._send(ident, Failed(msg.id, 409, str(exc)))
-        except Exception as exc:  # a failed batch fails its requests, never the engine
-            log.exception("engine: request failed")
-            self._send(ident, Failed(msg.id, 500, f"the engine failed to run the request: {exc}"))
-        else:
-            data = b"".join(np.ascontiguousarray(o, dtype="<f4").tobytes() for o in outputs)
-            self._send(ident, Outputs(msg.id, data, [list(o.shape) for o in outputs]))
+            return
+        if isinstance(patches, Missing):
+            self._send(ident, patches)
+            return
+        self._submit(ident, msg, patches)
+        running = self._inflight.get((ident, msg.id))
+        if running is not None:  # keep this task in flight (cancellable) until the answer is out
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(running)
 
     async def _patches(self, msg: Infer) -> dict[str, Patch] | Missing:
         """The patches ``msg`` names, from the cache or the bytes it carries; ``Missing`` for those it lacks."""
@@ -201,10 +233,14 @@ def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions:
 
 
 def _build(settings: ServerSettings) -> EngineServer:
+    torch.set_num_threads(settings.forward_threads)
     encoder = load_encoder(settings.model)
     spec = encoder.spec  # computed from the plain model, before the runner rewrites its modules
     metrics = Metrics()
-    engine = LocalEngine(encoder, settings, metrics)
+    # On the CPU the forward runs on the loop's own thread: a second thread would only contend for the GIL. On a
+    # GPU a runner thread waits for the device while the loop takes in the next requests.
+    inline = resolve_device(settings.device).type == "cpu"
+    engine = LocalEngine(encoder, settings, metrics, inline=inline)
     cache = PatchCache(settings.patch_cache_mb * 1024 * 1024)
     if settings.preload:
         registry = open_registry(settings.registry)
@@ -240,11 +276,12 @@ async def _serve(server: EngineServer, address: str, startup: Connection) -> Non
     gc.freeze()  # as in the one-process server: start-up objects out of the collector's way
     startup.send_bytes(msgspec.msgpack.encode(Startup(info=server.info)))
     log.info(
-        "engine ready (pid %d): %s on %s, %d slots, at %s",
+        "engine ready (pid %d): %s on %s, %d slots, %d CPU threads, at %s",
         os.getpid(),
         server.info.name,
         server.info.device,
         server.info.slots,
+        torch.get_num_threads(),
         address,
     )
     try:

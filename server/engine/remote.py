@@ -10,19 +10,17 @@ ones are refused (503, Retry-After) until it is back -- nothing waits for an ans
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from server.engine.batcher import OverloadedError
+from server.engine.channel import Channel
 from server.engine.protocol import (
     Cancel,
     EngineError,
@@ -48,19 +46,15 @@ class RemoteEngine:
     def __init__(self, address: str) -> None:
         self.address = address
         self.info: Info | None = None
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for an engine that is not there: refuse at once
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._sock.get_monitor_socket(_EVENTS)
+        self._ctx = zmq.Context()
         self._pending: dict[int, asyncio.Future[Outputs | Missing | Failed]] = {}
         self._ids = itertools.count()
         self._known: set[str] = set()  # patch ids the connected engine was sent (it may have evicted some since)
         self._connected = False
         self._got_info = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._channel: Channel | None = None
+        self._monitor: Channel | None = None
+        self._hello: asyncio.Task[None] | None = None
 
     @property
     def device(self) -> str:
@@ -74,29 +68,34 @@ class RemoteEngine:
 
     async def connect(self, timeout: float) -> Info:
         """Connect and wait for the engine's ``Info`` (up to ``timeout`` seconds)."""
-        self._sock.connect(self.address)
-        self._tasks = [
-            asyncio.ensure_future(self._receive()),
-            asyncio.ensure_future(self._follow()),
-        ]
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for an engine that is not there: refuse at once
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        self._monitor = Channel(sock.get_monitor_socket(_EVENTS), self._on_event)
+        sock.connect(self.address)
+        self._channel = Channel(sock, self._on_message)
+        self._hello = asyncio.ensure_future(self._greet())
         async with asyncio.timeout(timeout):
-            while True:
-                with contextlib.suppress(zmq.Again):
-                    self._send_now(encode(Hello()))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._got_info.wait(), 0.5)
-                    assert self.info is not None
-                    return self.info
+            await self._got_info.wait()
+        assert self.info is not None
+        return self.info
+
+    async def _greet(self) -> None:
+        """While no engine has said who it is, say Hello twice a second (a reconnect also says it at once)."""
+        while True:
+            if not self._connected:
+                self._send(Hello())
+            await asyncio.sleep(0.5)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._hello is not None:
+            self._hello.cancel()
         self._fail_pending(EngineUnavailableError("the server is shutting down"))
-        self._monitor.close()
-        self._sock.close()
+        for channel in (self._monitor, self._channel):
+            if channel is not None:
+                channel.close(linger=0)
         self._ctx.term()
 
     async def run(self, rows: Sequence[Row]) -> list[np.ndarray]:
@@ -110,8 +109,7 @@ class RemoteEngine:
                 self._known.difference_update(reply.patch_ids)
                 reply = await self._ask(rid, wire, {pid: patches[pid].data for pid in reply.patch_ids})
         except asyncio.CancelledError:
-            with contextlib.suppress(zmq.ZMQError):
-                self._send_now(encode(Cancel(rid)))
+            self._send(Cancel(rid))
             raise
         if isinstance(reply, Outputs):
             flat = np.frombuffer(reply.data, dtype="<f4")
@@ -129,55 +127,51 @@ class RemoteEngine:
         future: asyncio.Future[Outputs | Missing | Failed] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         try:
-            try:
-                self._send_now(encode(Infer(rid, rows, patches)))
-            except zmq.Again:
-                raise EngineUnavailableError(self.problem() or "the engine process is not reachable; retry") from None
+            if not self._send(Infer(rid, rows, patches)):
+                raise EngineUnavailableError(self.problem() or "the engine process is not reachable; retry")
             self._known.update(patches)
             return await future
         finally:
             self._pending.pop(rid, None)
 
-    async def _receive(self) -> None:
-        while True:
-            msg = from_engine.decode(await self._sock.recv())
-            if isinstance(msg, Info):
-                if self.info is None or msg.engine_id != self.info.engine_id:
-                    self._known.clear()  # a new engine process holds no patches yet
-                    log.info("connected to engine %s (pid %d) on %s", msg.engine_id[:8], msg.pid, msg.device)
-                self.info = msg
-                self._connected = True
-                self._got_info.set()
-                continue
-            future = self._pending.get(msg.id)
-            if future is not None and not future.done():
-                future.set_result(msg)
+    def _send(self, msg: Hello | Infer | Cancel) -> bool:
+        """Send now; False when no engine is connected to take it."""
+        assert self._channel is not None
+        try:
+            self._channel.send([encode(msg)])
+        except zmq.Again:
+            return False
+        return True
 
-    async def _follow(self) -> None:
+    def _on_message(self, frames: list[bytes]) -> None:
+        msg = from_engine.decode(frames[-1])
+        if isinstance(msg, Info):
+            if self.info is None or msg.engine_id != self.info.engine_id:
+                self._known.clear()  # a new engine process holds no patches yet
+                log.info("connected to engine %s (pid %d) on %s", msg.engine_id[:8], msg.pid, msg.device)
+            self.info = msg
+            self._connected = True
+            self._got_info.set()
+            return
+        future = self._pending.get(msg.id)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def _on_event(self, frames: list[bytes]) -> None:
         """Follow the connection: on a disconnect, fail what waits; on a (re)connect, ask who the engine is."""
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._connected = False
-                self._got_info.clear()
-                self._known.clear()
-                self._fail_pending(
-                    EngineUnavailableError(
-                        "the engine process stopped while this request was in flight (it is being restarted); retry"
-                    )
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._connected = False
+            self._got_info.clear()
+            self._known.clear()
+            self._fail_pending(
+                EngineUnavailableError(
+                    "the engine process stopped while this request was in flight (it is being restarted); retry"
                 )
-                log.warning("the engine process disconnected; waiting for it to come back")
-            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                with contextlib.suppress(zmq.Again):
-                    self._send_now(encode(Hello()))
-
-    def _send_now(self, payload: bytes) -> None:
-        """Send at once or raise (``zmq.Again``: no engine connected). A non-blocking send on an asyncio socket
-        is finished when it returns; its outcome is on the future it returns."""
-        sent = cast("asyncio.Future[object]", self._sock.send(payload, zmq.NOBLOCK))
-        error = sent.exception() if sent.done() else None
-        if error is not None:
-            raise error
+            )
+            log.warning("the engine process disconnected; waiting for it to come back")
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._send(Hello())
 
     def _fail_pending(self, exc: Exception) -> None:
         for future in self._pending.values():
