@@ -69,6 +69,21 @@ def sentences(data: Path, seed: int) -> list[str]:
     return texts
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` and every process below it (a server's engine and front ends), in MB."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:  # it ended meanwhile
+            continue
+        total += next((int(x.split()[1]) for x in status.split("\n") if x.startswith("VmRSS:")), 0)
+        stack += [int(c) for c in children]
+    return total / 1024 if total else float("nan")
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) by rank; NaN for no values."""
     if not values:

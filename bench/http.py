@@ -4,6 +4,7 @@ the engine's own rows/s on the same model and rows.
     python bench/http.py --quick                  # concurrency 64, 1 input, 1 vs 1,000 tasks; last line: JSON
     python bench/http.py --quick --model FREE     # the same with a model that costs almost nothing
     python bench/http.py                          # the grid -> docs/benchmarks/http.{jsonl,md,png}
+    python bench/http.py --model FREE --out docs/benchmarks/http-free.jsonl   # its grid
     python bench/http.py --render                 # rewrite the table and plot from the JSON lines
 
 One server per --workers value (0: one process does everything; N: an engine process and N front ends), all started
@@ -14,7 +15,9 @@ sets, the task drawn uniformly from the first T tasks. Cells (workers x C x T x 
 every repeat, so drift hits all alike; figures are medians over the repeats.
 
 --model FREE is the default encoder's real tokenizer over a random BERT of one layer, hidden 32 (built here): the
-model costs almost nothing, so the cell measures the front end's ceiling.
+model costs almost nothing, so the cell measures the front end's ceiling. It stands in for a device that is not the
+limit, so its servers get a GPU server's defaults: one front end per core (--quick) and the engine the cores the front
+ends leave.
 
 Per cell: requests/s and rows/s (inputs/s) over HTTP, p50/p95/p99 latency, failures (any non-200), the server's
 batches (mean rows, the engine's rows/s inside the server from its /metrics), and the engine alone: this process
@@ -48,6 +51,7 @@ import httpx
 
 from bench.common import (
     DATA,
+    FREE_MODEL,
     OUT,
     append_run,
     fill_registry,
@@ -64,7 +68,7 @@ from patches.format import Patch
 from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, wait_ready
 from server.engine.runner import Row, Runner
-from server.settings import default_workers
+from server.settings import available_cpus, default_workers
 
 KEYS = ("workers", "concurrency", "tasks", "inputs")
 
@@ -109,14 +113,24 @@ class EngineAlone:
         for i in range(0, len(patches), 128):  # every task resident, as in the servers
             self.runner.run([Row([101, 102], [0, 0], p) for p in patches[i : i + 128]])
 
+    def _batch(self, rows: int, tasks: int, rng: random.Random) -> list[Row]:
+        texts = [rng.choice(self.texts) for _ in range(rows)]
+        enc = self.tokenizer(texts, truncation=True, max_length=512)
+        types = enc.get("token_type_ids") or [[0] * len(ids) for ids in enc["input_ids"]]
+        tasks_of = [self.patches[rng.randrange(tasks)] for _ in texts]
+        return [Row(ids, t, p) for ids, t, p in zip(enc["input_ids"], types, tasks_of, strict=True)]
+
+    def ms_one_row(self, tasks: int, rng: random.Random, n: int = 40) -> float:
+        """Median ms of a batch of one row: what a lone request costs the engine."""
+        times = []
+        for batch in [self._batch(1, tasks, rng) for _ in range(n)]:
+            t0 = time.perf_counter()
+            self.runner.run(batch)
+            times.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times)
+
     def rows_per_s(self, tasks: int, rng: random.Random, seconds: float = 2.0) -> float:
-        batches = []
-        for _ in range(64):
-            texts = [rng.choice(self.texts) for _ in range(self.batch_rows)]
-            enc = self.tokenizer(texts, truncation=True, max_length=512)
-            types = enc.get("token_type_ids") or [[0] * len(ids) for ids in enc["input_ids"]]
-            tasks_of = [self.patches[rng.randrange(tasks)] for _ in texts]
-            batches.append([Row(ids, t, p) for ids, t, p in zip(enc["input_ids"], types, tasks_of, strict=True)])
+        batches = [self._batch(self.batch_rows, tasks, rng) for _ in range(64)]
         self.runner.run(batches[0])
         rows, t0 = 0, time.perf_counter()
         for batch in itertools.cycle(batches):
@@ -135,7 +149,9 @@ def device_name(device: str) -> str:
     return f"CPU, {os.cpu_count()} cores"
 
 
-def summarise(runs: list[dict[str, Any]], alone: dict[int, list[float]]) -> list[dict[str, Any]]:
+def summarise(
+    runs: list[dict[str, Any]], alone: dict[int, list[float]], one_row: dict[int, list[float]]
+) -> list[dict[str, Any]]:
     """Medians per cell over its repeats."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
@@ -154,6 +170,7 @@ def summarise(runs: list[dict[str, Any]], alone: dict[int, list[float]]) -> list
                 "rps": round(med["rps"], 1),
                 "rows_per_s": round(rows_s, 1),
                 "engine_alone_rows_per_s": round(engine_alone, 1),
+                "engine_alone_ms_1_row": round(statistics.median(one_row[cell["tasks"]]), 2),
                 "ratio": round(rows_s / engine_alone, 3),
                 "server_overhead": round(engine_alone / rows_s - 1, 3),
                 "engine_in_server_rows_per_s": round(statistics.median(in_server), 1) if in_server else None,
@@ -193,6 +210,19 @@ def _best_workers(cells: list[dict[str, Any]], concurrency: int, inputs: int) ->
     return int(top["workers"])
 
 
+def _latency_lines(cells: list[dict[str, Any]], workers: int) -> list[str]:
+    """Concurrency 1, 1 input: p50 against the engine's own time for one row."""
+    lone = [c for c in cells if (c["workers"], c["concurrency"], c["inputs"]) == (workers, 1, 1)]
+    if not lone or "engine_alone_ms_1_row" not in lone[0]:
+        return []
+    c = max(lone, key=lambda c: c["tasks"])
+    return [
+        f"- Concurrency 1, 1 input, {c['tasks']:,} tasks, {workers} workers: p50 **{c['p50_ms']} ms** against the "
+        f"engine's {c['engine_alone_ms_1_row']} ms for one row alone ({c['p50_ms'] - c['engine_alone_ms_1_row']:+.2f} "
+        "ms: HTTP, tokenizing, IPC and answering)."
+    ]
+
+
 def render(jsonl: Path) -> None:
     meta, lines = latest_run(jsonl)
     cells = [c for c in lines if c["kind"] == "cell"]
@@ -221,21 +251,22 @@ def render(jsonl: Path) -> None:
         f"**{most_rps:,.0f} req/s**, "
         f"{head[ratio_key]:.2f}x the 1-task throughput, {head['http_vs_engine']:.0%} of the engine alone, p99 "
         f"{head['p99_ms']} ms, {head['failed']} failed in the whole run.",
+        *_latency_lines(cells, best),
         "",
         "| workers | concurrency | tasks | inputs | req/s | rows/s | engine alone | ratio | overhead | in server "
-        "| mean batch | p50 ms | p95 ms | p99 ms | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mean batch | p50 ms | p95 ms | p99 ms | engine 1 row ms | failed |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in sorted(cells, key=lambda c: (c["inputs"], c["concurrency"], c["tasks"], c["workers"])):
         md.append(
             f"| {c['workers']} | {c['concurrency']} | {c['tasks']:,} | {c['inputs']} | {c['rps']:,.1f} | "
             f"{c['rows_per_s']:,.1f} | {c['engine_alone_rows_per_s']:,.0f} | {c['ratio']:.2f} | "
             f"{c['server_overhead']:+.0%} | {c['engine_in_server_rows_per_s'] or 0:,.0f} | {c['mean_batch_rows']} | "
-            f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | {c['failed']} |"
+            f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | {c.get('engine_alone_ms_1_row', '')} | {c['failed']} |"
         )
     if meta.get("notes"):
         md += ["", meta["notes"]]
-    (jsonl.parent / "http.md").write_text("\n".join(md) + "\n")
+    jsonl.with_suffix(".md").write_text("\n".join(md) + "\n")
     plt = pyplot()
     if plt is None:
         return
@@ -260,7 +291,7 @@ def render(jsonl: Path) -> None:
             ax.legend(fontsize=8)
     fig.suptitle(f"patchserve over HTTP: {meta['server']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(jsonl.parent / "http.png", dpi=100)
+    fig.savefig(jsonl.with_suffix(".png"), dpi=100)
 
 
 def main() -> None:
@@ -281,6 +312,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch-rows", type=int, default=32, help="the servers' batch bound (and the engine's)")
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        help="the engine process's CPU threads (default: the server's; with FREE, the cores the front ends leave, "
+        "as a GPU server's engine gets)",
+    )
     ap.add_argument("--data", type=Path, default=DATA, help="folder of */dev.jsonl sets (the request texts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT / "http.jsonl", help="JSON lines of full runs (appended)")
@@ -290,10 +327,13 @@ def main() -> None:
     if args.render:
         render(args.out)
         return
-    cpus = os.cpu_count() or 1
+    cpus = available_cpus()
+    # FREE stands in for a device that is not the limit: its servers get a GPU server's defaults (front ends and the
+    # engine's threads), whatever device runs it.
+    front_end_bound = args.model == FREE_MODEL or args.device.startswith("cuda")
     if args.workers is None:
         args.workers = (
-            str(default_workers())
+            str(default_workers(front_end_bound))
             if args.quick
             else ",".join(str(w) for w in [0, *itertools.takewhile(lambda w: w <= cpus, (2**i for i in range(8)))])
         )
@@ -318,6 +358,7 @@ def main() -> None:
     }
     alone_engine = EngineAlone(model, patches, texts, args.max_batch_rows, args.device, args.dtype)
     alone: dict[int, list[float]] = {t: [] for t in task_counts}
+    one_row: dict[int, list[float]] = {t: [] for t in task_counts}
     cells = list(itertools.product(workers, concs, task_counts, inputs))
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -327,6 +368,10 @@ def main() -> None:
             serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
             serve += ["--slots", str(n_tasks), "--registry", registry, "--workers", str(w)]
             serve += ["--max-batch-rows", str(args.max_batch_rows)]
+            if w > 0 and args.engine_threads is not None:
+                serve += ["--engine-threads", str(args.engine_threads)]
+            elif w > 0 and front_end_bound:
+                serve += ["--engine-threads", str(max(1, cpus - w))]
             proc = stack.enter_context(patchserve_process(serve, {}, work / f"server-w{w}.log"))
             bases[w] = f"http://127.0.0.1:{port}"
             wait_ready(bases[w], proc=proc)
@@ -336,6 +381,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for t in task_counts:
                 alone[t].append(alone_engine.rows_per_s(t, rng))
+                one_row[t].append(alone_engine.ms_one_row(t, rng))
             shift = rep * (len(cells) // args.repeats or 1)
             for w, c, t, k in cells[shift:] + cells[:shift]:
                 r = {"workers": w, "concurrency": c, "tasks": t, "inputs": k, "repeat": rep}
@@ -344,7 +390,7 @@ def main() -> None:
                     json.dumps({x: round(v, 2) if isinstance(v, float) else v for x, v in r.items()}), file=sys.stderr
                 )
                 runs.append(r)
-    summary = summarise(runs, alone)
+    summary = summarise(runs, alone, one_row)
     head = headline(summary, _best_workers(summary, max(concs), min(inputs)), max(concs), min(inputs))
     if not args.quick:
         meta = {
@@ -359,7 +405,7 @@ def main() -> None:
         }
         append_run(args.out, meta, [{"kind": "cell", **c} for c in summary])
         render(args.out)
-        print(f"wrote {args.out}, http.md, http.png", file=sys.stderr)
+        print(f"wrote {args.out} and its .md and .png", file=sys.stderr)
     for c in summary:
         print(json.dumps(c), file=sys.stderr)
     print(json.dumps(head))

@@ -33,8 +33,17 @@ from typing import Any
 
 import httpx
 
-from bench.common import OUT, append_run, latest_run, percentile, plot_cdf, pyplot, random_bert_folder, server_figures
-from bench.soak import rss_mb
+from bench.common import (
+    OUT,
+    append_run,
+    latest_run,
+    percentile,
+    plot_cdf,
+    pyplot,
+    random_bert_folder,
+    rss_mb,
+    server_figures,
+)
 from patches.encoder import load_encoder
 from patches.store import open_registry
 from patches.synthetic import random_patch

@@ -39,20 +39,13 @@ from typing import Any
 
 import httpx
 
-from bench.common import DATA, percentile, sentences
+from bench.common import DATA, percentile, rss_mb, sentences
 from patches.encoder import load_encoder
 from patches.format import Patch
 from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().split("\n"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -266,6 +259,7 @@ async def run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="60 s soak after a 20 s limits phase; no files written")
+    ap.add_argument("--workers", type=int, help="the server's front ends (default: the server's default)")
     ap.add_argument("--seconds", type=float, help="soak length (default 1800; 60 with --quick)")
     ap.add_argument("--limits-seconds", type=float, help="limits phase length (default 120; 20 with --quick)")
     ap.add_argument("--rate", type=float, default=8.0, help="predict requests per second (default 8)")
@@ -292,6 +286,8 @@ def main() -> None:
     redis_proc, redis_url = start_redis(workdir)
     port = free_port()
     serve = ["serve", "--port", str(port), "--model", args.model, "--device", "cpu", "--slots", str(args.slots)]
+    if args.workers is not None:
+        serve += ["--workers", str(args.workers)]
     try:
         with patchserve_process(serve, {"PATCHSERVE_REGISTRY": redis_url}, workdir / "server.log") as proc:
             base = f"http://127.0.0.1:{port}"

@@ -86,14 +86,15 @@ CHANGE_LINE = re.compile(
 
 def notice_times(log: Path, answered: dict[int, float]) -> list[float]:
     """ms from A's 201 (wall clock) to B's log line applying that version (ms resolution; the same machine's
-    clock). Negative: B heard of it before A's answer reached the client."""
-    out = []
+    clock); with several front ends in B, the last of their lines (every front end has it). Negative: B heard of
+    it before A's answer reached the client."""
+    applied: dict[int, float] = {}
     for line in log.read_text().splitlines():
         m = CHANGE_LINE.match(line)
         if m and int(m.group(2)) in answered:
-            applied = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            out.append((applied - answered[int(m.group(2))]) * 1000)
-    return out
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            applied[int(m.group(2))] = max(at, applied.get(int(m.group(2)), at))
+    return [(at - answered[version]) * 1000 for version, at in applied.items()]
 
 
 async def swaps(a: str, b: str, patches: list[bytes], text: str) -> tuple[list[float], list[float], dict[int, float]]:
@@ -161,6 +162,8 @@ def backend_run(name: str, url: str, args: argparse.Namespace, work: Path, encod
         for replica in ("a", "b"):
             port = free_port()
             serve = ["serve", "--port", str(port), "--device", "cpu", "--registry", url, "--model", args.model]
+            if args.workers is not None:
+                serve += ["--workers", str(args.workers)]
             stack.enter_context(patchserve_process(serve, {}, work / f"{name}-{replica}.log"))
             bases.append(f"http://127.0.0.1:{port}")
         for base in bases:
@@ -266,6 +269,7 @@ def render(jsonl: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Redis only, 50 swaps, 2 x 10 s phases; prints JSON")
+    ap.add_argument("--workers", type=int, help="each server's front ends (default: the server's default)")
     ap.add_argument("--backends", default="redis,disk", help="registries to run (redis, disk)")
     ap.add_argument("--swaps", type=int, default=200)
     ap.add_argument("--phase-seconds", type=float, default=20.0, help="length of each load phase")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import typing
+from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,13 +19,34 @@ from patches.jobs import JobLimits
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKERS_RULE = "one front end per 2 CPU cores beside the engine's, 1 to 8"
+DEFAULT_WORKERS_RULE = (
+    "1 when the engine runs on the CPU (there the forward is the limit, and it gets every core); on a GPU one per "
+    "CPU core, at most 8"
+)
 
 
-def default_workers(cpus: int | None = None) -> int:
-    """How many front ends ``--workers`` means when unset (docs/benchmarks/http.md has the measurements)."""
-    cpus = cpus or os.cpu_count() or 1
-    return max(1, min(8, (cpus - 1) // 2))
+def available_cpus() -> int:
+    """The CPU cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (what a container's
+    ``--cpus`` or a Kubernetes CPU limit sets; ``os.cpu_count()`` sees the whole host)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def default_workers(gpu: bool, cpus: int | None = None) -> int:
+    """How many front ends ``--workers`` means when unset (README "How many front ends" has the measurements).
+
+    On the CPU the engine's forward is the limit with any real model, and a front end needs a fraction of a core to
+    keep it fed; on a GPU the front ends are the limit (the free-model grid: throughput grows up to one front end per
+    core, and no further)."""
+    if not gpu:
+        return 1
+    return max(1, min(8, cpus or available_cpus()))
 
 
 class ServerSettings(BaseSettings):
@@ -42,8 +65,8 @@ class ServerSettings(BaseSettings):
         None,
         ge=1,
         description="CPU threads of the engine's forward pass (torch intra-op threads) with --workers N >= 1. "
-        "Default: the CPU cores the front ends leave, at least 1 -- more threads than free cores make every forward "
-        "wait for a descheduled thread.",
+        "Default: every core when the engine runs on the CPU (its idle threads sleep: OMP_WAIT_POLICY=PASSIVE, "
+        "so the front ends get the cores between forwards); on a GPU the cores the front ends leave, at least 1.",
     )
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 to accept connections from others.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
@@ -158,17 +181,17 @@ class ServerSettings(BaseSettings):
         "second it costs a front end about 7% of its time; /metrics counts requests by task and status.",
     )
 
-    @property
-    def front_ends(self) -> int:
-        """The front-end processes to run: ``workers``, or the default for this machine."""
-        return default_workers() if self.workers is None else self.workers
+    def front_ends(self, gpu: bool) -> int:
+        """The front-end processes to run: ``workers``, or the default for this machine and device."""
+        return default_workers(gpu) if self.workers is None else self.workers
 
-    @property
-    def forward_threads(self) -> int:
-        """The engine process's torch threads: ``engine_threads``, or the cores the front ends leave."""
+    def forward_threads(self, gpu: bool) -> int:
+        """The engine process's torch threads: ``engine_threads``; else every core on the CPU, the cores the front
+        ends leave on a GPU."""
         if self.engine_threads is not None:
             return self.engine_threads
-        return max(1, (os.cpu_count() or 1) - self.front_ends)
+        cpus = available_cpus()
+        return cpus if not gpu else max(1, cpus - self.front_ends(gpu))
 
     def to_json(self) -> str:
         """Every setting, secrets included, for the server's own child processes (``from_json``)."""

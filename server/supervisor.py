@@ -36,6 +36,7 @@ from uvicorn import Config
 from uvicorn.config import STARTUP_FAILURE as FRONT_END_STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Process as FrontEnd  # a uvicorn worker process with a health check
 
+from patches.encoder import resolve_device
 from server.app import ENGINE_ADDRESS_ENV, SETTINGS_ENV
 from server.engine.process import STARTUP_FAILURE, Startup, run_engine_process
 from server.settings import ServerSettings
@@ -228,7 +229,10 @@ class Supervisor:
 
 
 def serve(settings: ServerSettings) -> int:
-    """Run the engine process and ``settings.front_ends`` front ends until SIGTERM/SIGINT; the exit status."""
+    """Run the engine process and its front ends until SIGTERM/SIGINT; the exit status."""
+    gpu = resolve_device(settings.device).type != "cpu"  # no CUDA context here: the engine process is spawned
+    front_ends = settings.front_ends(gpu)
+    settings = settings.model_copy(update={"workers": front_ends})  # what the engine and the front ends read
     workdir = Path(tempfile.mkdtemp(prefix="patchserve-"))
     metrics_dir = workdir / "metrics"
     metrics_dir.mkdir()
@@ -248,7 +252,7 @@ def serve(settings: ServerSettings) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     try:  # first: a port in use fails before a model is loaded
-        sockets = listening_sockets(settings.host, settings.port, settings.front_ends)
+        sockets = listening_sockets(settings.host, settings.port, front_ends)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
         return 1
@@ -262,7 +266,7 @@ def serve(settings: ServerSettings) -> int:
             log.error("the engine process could not start: %s", exc)
             return STARTUP_FAILURE
         supervisor = Supervisor(config, sockets, engine, metrics_dir)
-        log.info("starting %d front-end processes on http://%s:%d", settings.front_ends, settings.host, settings.port)
+        log.info("starting %d front-end processes on http://%s:%d", front_ends, settings.host, settings.port)
         supervisor.run()
         return supervisor.exit_code
     finally:

@@ -29,7 +29,7 @@ from server.engine.remote import RemoteEngine
 from server.engine.runner import Row
 from server.engine.slots import PatchCache
 from server.metrics import Metrics
-from server.settings import ServerSettings
+from server.settings import ServerSettings, available_cpus
 from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
 
 TEXTS = ["the good movie", "a bad film", "the cat runs quickly", "what is the name of the city"]
@@ -106,6 +106,10 @@ def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, re
                 assert _close(got.json(), want)
         got = httpx.post(f"{server.base}/embed", json={"inputs": TEXTS}, timeout=30).json()
         np.testing.assert_allclose(got["embeddings"], embedded["embeddings"], rtol=1e-5, atol=1e-6)
+        # on the CPU the engine's forward takes every core, its idle threads sleeping
+        assert f"{available_cpus()} CPU threads" in server.log.read_text()
+        environ = Path(f"/proc/{server.engine_pid()}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ
 
 
 def _close(got, want) -> bool:
@@ -303,3 +307,27 @@ def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_
     ids_sent = [p.patch_id for p in patches]
     # each once on first use; t0 again after the cache evicted it (Missing, then resent); then held
     assert sent == [*ids_sent, ids_sent[0]]
+
+
+def test_default_front_ends_and_engine_threads_follow_the_cores(monkeypatch):
+    import server.settings as settings_module
+
+    cores = (1, 2, 3, 4, 8, 16, 64)
+    assert [settings_module.default_workers(True, n) for n in cores] == [1, 2, 3, 4, 8, 8, 8]
+    assert [settings_module.default_workers(False, n) for n in cores] == [1] * len(cores)
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 16)
+    s = ServerSettings()
+    assert (s.front_ends(True), s.forward_threads(True)) == (8, 8)  # GPU: the cores the front ends leave
+    assert (s.front_ends(False), s.forward_threads(False)) == (1, 16)  # CPU: the forward takes every core
+    assert ServerSettings(workers=3).forward_threads(True) == 13
+    assert ServerSettings(workers=0).front_ends(True) == 0
+    assert ServerSettings(workers=3, engine_threads=2).forward_threads(False) == 2
+
+
+def test_settings_reach_the_child_processes_as_they_were(monkeypatch):
+    monkeypatch.setenv("PATCHSERVE_MAX_WAIT_MS", "77")  # read by the parent, not again by a child
+    s = ServerSettings(admin_token="s3cret", workers=2, slots=5)
+    child = ServerSettings.from_json(s.to_json())
+    assert child == s and child.admin_token.get_secret_value() == "s3cret" and child.max_wait_ms == 77
+    monkeypatch.setenv("PATCHSERVE_MAX_WAIT_MS", "1")
+    assert ServerSettings.from_json(s.to_json()).max_wait_ms == 77

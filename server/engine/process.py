@@ -233,13 +233,14 @@ def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions:
 
 
 def _build(settings: ServerSettings) -> EngineServer:
-    torch.set_num_threads(settings.forward_threads)
+    device = resolve_device(settings.device)
+    torch.set_num_threads(settings.forward_threads(device.type != "cpu"))
     encoder = load_encoder(settings.model)
     spec = encoder.spec  # computed from the plain model, before the runner rewrites its modules
     metrics = Metrics()
     # On the CPU the forward runs on the loop's own thread: a second thread would only contend for the GIL. On a
     # GPU a runner thread waits for the device while the loop takes in the next requests.
-    inline = resolve_device(settings.device).type == "cpu"
+    inline = device.type == "cpu"
     engine = LocalEngine(encoder, settings, metrics, inline=inline)
     cache = PatchCache(settings.patch_cache_mb * 1024 * 1024)
     if settings.preload:
