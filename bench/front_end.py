@@ -9,10 +9,14 @@ comes from.
   lookup and its tokenizing: the wall time one costs the request, and the event loop's own CPU time per hop.
 * tokenize: ``server.predict.encode`` (the default encoder's tokenizer, as the server calls it) on one text of N
   characters of real sentences, N = 16 .. 8,192: CPU time per call, inline.
-* threshold: tokenizing inline saves the hop and keeps no other request waiting longer than a hop would, while it
-  costs less than a hop's wall time; past that, a request's tokenizing holds up every other request on the loop,
-  and a worker thread (where the tokenizer's Rust core runs without the GIL) is the better place. The threshold is
-  the largest N whose inline tokenizing costs no more than one hop, rounded down to a power of two.
+* threshold: tokenizing inline saves the hop (its CPU on the loop, and its wall time in the request) at every
+  size; the price is that the loop serves no other request meanwhile. So texts are tokenized inline while that
+  holds the loop for at most HOLD_BUDGET_US (1 ms: less than one batch of 32 rows takes on a GPU, so a neighbour
+  waits less than its own forward), and in a worker thread above it (where the tokenizer's Rust core runs without
+  the GIL). The threshold is the largest N whose inline tokenizing fits the budget, rounded down to a power of two.
+  Measured over HTTP on 2 cores (bench/http.py, free model, 2 front ends, concurrency 64, 8 inputs of ~150
+  characters, same run, 2 runs each): threshold 2,048 (inline) 864 and 868 req/s, p99 153 and 139 ms; threshold
+  256 (a hop per request) 804 and 690 req/s, p99 169 and 174 ms.
 
 Medians over --repeats rounds, the pieces interleaved within each round.
 """
@@ -40,6 +44,7 @@ from server.inference import INLINE_TOKENIZE_CHARS
 from server.predict import encode
 
 SIZES = (16, 64, 256, 1024, 2048, 4096, 8192)
+HOLD_BUDGET_US = 1000.0  # the longest one request's tokenizing may hold its front end's event loop
 
 
 def _noop() -> None:
@@ -73,8 +78,8 @@ def text_of(chars: int, texts: list[str]) -> str:
     return out[:chars]
 
 
-def threshold(hop_wall_us: float, costs: dict[int, float]) -> int:
-    fits = [n for n, us in costs.items() if us <= hop_wall_us]
+def threshold(costs: dict[int, float], budget_us: float = HOLD_BUDGET_US) -> int:
+    fits = [n for n, us in costs.items() if us <= budget_us]
     return 2 ** (max(fits).bit_length() - 1) if fits else 0
 
 
@@ -88,9 +93,10 @@ def render(jsonl: Path) -> None:
         f"over {meta['repeats']} rounds. How to read it: bench/front_end.py's docstring.",
         "",
         f"- a thread-pool hop: **{row['hop_wall_us']:.0f} µs** of a request's time, {row['hop_cpu_us']:.0f} µs of "
-        "the event loop's CPU",
-        f"- so texts of up to **{row['threshold_chars']:,} characters** are tokenized on the loop (the server's "
-        f"setting: {row['server_threshold_chars']:,})",
+        "the event loop's CPU (what tokenizing inline saves)",
+        f"- texts of up to **{row['threshold_chars']:,} characters** hold the loop for at most "
+        f"{row['hold_budget_us']:,.0f} µs, so they are tokenized on it (the server's setting: "
+        f"{row['server_threshold_chars']:,}); longer ones in a worker thread",
         "",
         "| characters | tokenize inline, CPU µs | vs a hop |",
         "|---:|---:|---:|",
@@ -105,6 +111,7 @@ def render(jsonl: Path) -> None:
     xs = [int(n) for n in row["tokenize_us"]]
     ax.plot(xs, list(row["tokenize_us"].values()), marker="o", label="tokenize inline (CPU)")
     ax.axhline(row["hop_wall_us"], color="grey", linestyle="--", label="a thread-pool hop (wall)")
+    ax.axhline(row["hold_budget_us"], color="black", linestyle="-.", label="the loop-hold budget")
     ax.axvline(row["server_threshold_chars"], color="red", linestyle=":", label="the server's threshold")
     ax.set(xscale="log", yscale="log", xlabel="characters in the request", ylabel="µs")
     ax.legend()
@@ -141,7 +148,8 @@ def main() -> None:
         "hop_wall_us": round(hop_wall, 1),
         "hop_cpu_us": round(hop_cpu, 1),
         "tokenize_us": {str(n): round(us, 1) for n, us in costs.items()},
-        "threshold_chars": threshold(hop_wall, costs),
+        "hold_budget_us": HOLD_BUDGET_US,
+        "threshold_chars": threshold(costs),
         "server_threshold_chars": INLINE_TOKENIZE_CHARS,
     }
     if not args.quick:

@@ -23,9 +23,9 @@ from server.predict import Encoded, InputError, encode
 
 UNKNOWN_TASK = "_unknown"
 BASE_TASK = "_base"  # the label of requests for the base encoder's embeddings
-# Requests with at most this many characters of text are tokenised on the event loop: a thread hop costs more than
-# the work (docs/benchmarks/http.md has the measurement); longer ones go to the thread pool, so that one large
-# request cannot hold up the others.
+# Requests with at most this many characters of text are tokenised on the event loop, which holds it for at most
+# ~1 ms and saves a thread hop; longer ones go to the thread pool, so that one large request cannot hold up the
+# others (bench/front_end.py measures both, docs/benchmarks/front_end.md).
 INLINE_TOKENIZE_CHARS = 2048
 
 
