@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import types
 import typing
@@ -49,9 +48,6 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {where}: {err['msg']}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Before torch loads, here or in the engine process: idle torch (OpenMP) threads sleep instead of spinning, so a
-    # forward on every core leaves the cores to the front ends between batches (README "How many front ends").
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if settings.workers != 0:
         from server.supervisor import serve
 
