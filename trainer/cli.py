@@ -284,6 +284,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         device=args.device,
         limits=JobLimits(max_updates=args.max_job_updates, max_seconds=args.max_job_seconds),
+        alive_file=Path(args.alive_file) if args.alive_file else None,
     )
     try:
         worker.run(stop, max_jobs=args.max_jobs)
@@ -406,7 +407,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         help="where jobs train: auto, cpu, cuda or cuda:N (env PATCHSERVE_DEVICE; default auto); a job's own "
         "device setting wins when it is not 'auto'",
     )
-    p.add_argument("--name", help="worker name in the queue (default host-pid)")
+    p.add_argument("--name", help="worker name in the queue (default host-pid-random, unique)")
     p.add_argument(
         "--lease-s",
         type=float,
@@ -427,6 +428,13 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=float(os.environ.get("PATCHSERVE_MAX_JOB_SECONDS") or 24 * 3600),
         help="stop a job (failed) that trains longer than this (env PATCHSERVE_MAX_JOB_SECONDS; default 86400)",
+    )
+    p.add_argument(
+        "--alive-file",
+        default=os.environ.get("PATCHSERVE_WORKER_ALIVE_FILE") or None,
+        help="touch this file while the worker's loop turns (every 2 s while waiting, every second of a job), for a "
+        "liveness probe that checks its age: older than --lease-s means hung (env PATCHSERVE_WORKER_ALIVE_FILE; "
+        "docker-compose.yml's worker healthcheck uses it)",
     )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
     p.set_defaults(func=_worker)

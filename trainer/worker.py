@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from patches.data import DataError, Dataset, job_splits
@@ -72,17 +74,27 @@ class Worker:
         max_attempts: int = 3,
         device: str = "auto",
         limits: JobLimits | None = None,
+        alive_file: Path | None = None,
     ) -> None:
         self.queue = queue
         self.registry = registry
         self.encoder = encoder
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        # host and pid say where it runs; the random part keeps two workers apart that share both (containers on
+        # the host's network all run as pid 1 under one hostname), since the queue tells consumers apart by name
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.lease_s = lease_s
         self.block_s = block_s
         self.max_attempts = max_attempts
         self.device = device
         self.limits = limits or JobLimits()
         self.shutdown = threading.Event()
+        # touched while the worker's loop turns: between claims (every block_s) and at each heartbeat of a job, so a
+        # container healthcheck can tell a live worker from a hung one by the file's age (docker-compose.yml)
+        self.alive_file = alive_file
+
+    def _alive(self) -> None:
+        if self.alive_file is not None:
+            self.alive_file.touch()
 
     def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
         """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled.
@@ -94,6 +106,7 @@ class Worker:
         done = 0
         log.info("worker %s: waiting for jobs on %s", self.name, self.queue.url)
         while not stop.is_set() and (max_jobs is None or done < max_jobs):
+            self._alive()
             try:
                 claimed = self.queue.claim(self.name, lease_s=self.lease_s, block_s=self.block_s)
             except RegistryUnavailableError as exc:
@@ -191,6 +204,7 @@ class Worker:
                 last_beat[0] = now
                 if not self.queue.heartbeat(self.name, msg_id):
                     raise LeaseLostError(job.id)
+                self._alive()
                 self.queue.update(job.id, progress=p)
             if now - last_log[0] >= LOG_EVERY_S:  # a line in the worker's log too (docker compose logs worker)
                 last_log[0] = now
