@@ -1,7 +1,7 @@
 """The ``patchserve`` command. Subcommands come from the ``patchserve.commands`` entry-point group, so the
 server and trainer packages add their own (serve, train, ...) without this package importing them.
 
-Commands owned here: ``inspect`` (read a patch file) and the registry commands ``tasks`` and ``register``.
+Commands owned here: ``inspect`` (read a patch file) and the registry commands ``tasks``, ``register`` and ``prune``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from patches.errors import PatchServeError
 
 DEFAULT_REGISTRY = "disk://./registry"
 REGISTRY_ENV = "PATCHSERVE_REGISTRY"
+KEEP_VERSIONS_ENV = "PATCHSERVE_KEEP_VERSIONS"
 
 
 def add_registry_option(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,26 @@ def add_registry_option(p: argparse.ArgumentParser) -> None:
         default=os.environ.get(REGISTRY_ENV, DEFAULT_REGISTRY),
         help=f"registry URL: disk:///path (a local folder) or redis://host:port/db; env {REGISTRY_ENV}; "
         f"default {DEFAULT_REGISTRY}",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
+def add_retention_option(p: argparse.ArgumentParser, when: str = "after each registration") -> None:
+    """``--keep-versions N`` for commands that register patches (or prune), with the shared env var."""
+    env = os.environ.get(KEEP_VERSIONS_ENV) or None
+    p.add_argument(
+        "--keep-versions",
+        type=_positive_int,
+        default=_positive_int(env) if env else None,
+        metavar="N",
+        help=f"{when}: delete the task's versions beyond the newest N; the current version and any version "
+        f"current in the last 10 minutes stay whatever their age (env {KEEP_VERSIONS_ENV}; default: keep all)",
     )
 
 
@@ -85,8 +106,35 @@ def _register(args: argparse.Namespace) -> int:
     from patches.store import open_registry
 
     patch = Patch.read(args.file)
-    info = open_registry(args.registry).put(patch)
+    info = open_registry(args.registry, keep_versions=args.keep_versions).put(patch)
     print(f"registered {info.task} v{info.version} ({info.patch_id})")
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from patches.store import open_registry
+
+    if args.grace_s is not None and args.grace_s < 0:
+        print("error: --grace-s must be 0 or more", file=sys.stderr)
+        return 2
+    if args.keep_versions is None:
+        print(f"error: say how many versions to keep: --keep-versions N (or set {KEEP_VERSIONS_ENV})", file=sys.stderr)
+        return 2
+    reg = open_registry(args.registry)
+    if args.grace_s is not None:
+        reg.retired_grace_s = args.grace_s
+    if args.task:
+        pruned = {t: gone for t in args.task if (gone := reg.prune(t, args.keep_versions, dry_run=args.dry_run))}
+    else:
+        pruned = reg.prune_all(args.keep_versions, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({t: [v.to_dict() for v in gone] for t, gone in pruned.items()}, indent=2))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for task, gone in pruned.items():
+        print(f"{task}: {verb} " + ", ".join(f"v{v.version}" for v in gone))
+    n, size = sum(len(g) for g in pruned.values()), sum(v.size for g in pruned.values() for v in g)
+    print(f"{verb} {n} versions of {len(pruned)} tasks ({size / 1e6:.1f} MB) in {reg.url}")
     return 0
 
 
@@ -107,7 +155,30 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("register", help="store a patch file as the new current version of its task")
     p.add_argument("file", help="a .safetensors patch file")
     add_registry_option(p)
+    add_retention_option(p)
     p.set_defaults(func=_register)
+
+    p = sub.add_parser(
+        "prune",
+        help="delete old versions beyond the newest N of each task, once (what --keep-versions does after each "
+        "registration)",
+        description="Delete each task's versions beyond the newest --keep-versions. Kept whatever their age: the "
+        "current version, and any version registered or current in the last 10 minutes (a replica that has not "
+        "heard of the newer one yet may still be serving it). Servers and workers notice nothing: the current "
+        "versions do not change. --dry-run lists what would go.",
+    )
+    add_registry_option(p)
+    add_retention_option(p, when="now")
+    p.add_argument("--task", action="append", help="only this task (repeatable; default: every task)")
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        help="keep versions registered or current this many seconds ago or later (default 600, 10 minutes); 0 "
+        "only when no replica can be serving an old version",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON: task -> deleted versions")
+    p.set_defaults(func=_prune)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -163,6 +163,8 @@ def create_app(
         else:
             info, engine = await _remote_engine(engine_address)
         reg = registry or open_registry(settings.registry)
+        if settings.keep_versions is not None:  # retention after each registration through this server
+            reg.keep_versions = settings.keep_versions
         reg.max_patch_bytes = settings.max_patch_bytes
         catalog = Catalog(
             reg,

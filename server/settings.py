@@ -78,6 +78,13 @@ class ServerSettings(BaseSettings):
         None,
         description="Redis URL of the training-job queue (POST /jobs). Default: the registry, when it is Redis.",
     )
+    keep_versions: int | None = Field(
+        None,
+        ge=1,
+        description="After each registration through this server, delete the task's versions beyond the newest N; "
+        "the current version and any version current in the last 10 minutes stay whatever their age. Default: keep "
+        "all (patchserve prune does it once).",
+    )
     model: str = Field(
         "default",
         description="Frozen base encoder: 'default' (packaged all-MiniLM-L6-v2), a local HF folder or a hub id.",

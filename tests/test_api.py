@@ -622,3 +622,20 @@ def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(make_cli
     assert client.get("/healthz").status_code == 200
     client.__exit__(None, None, None)
     assert gc.get_freeze_count() == 0
+
+
+def test_keep_versions_prunes_what_post_tasks_registers(tmp_path, tiny_bert_dir, tiny_encoder):
+    """serve --keep-versions 2: each POST /tasks is followed by a prune of that task; the current version answers."""
+    from patches.store import DiskRegistry
+
+    reg = DiskRegistry(tmp_path / "reg")
+    reg.retired_grace_s = 0.0  # no other replica here
+    settings = settings_for(f"disk://{tmp_path}/reg", tiny_bert_dir, keep_versions=2)
+    with TestClient(create_app(settings, registry=reg)) as client:
+        for seed in range(1, 6):
+            assert upload(client, make_patch(tiny_encoder, seed=seed)).status_code == 201
+        listed = client.get("/tasks/sentiment").json()
+        assert [v["version"] for v in listed["versions"]] == [4, 5] and listed["current"] == 5
+        assert client.post("/tasks/sentiment/rollback", json={"version": 4}).status_code == 200
+        assert client.post("/tasks/sentiment/rollback", json={"version": 2}).status_code == 404
+        assert client.post("/tasks/sentiment/predict", json={"inputs": ["fine"]}).json()["version"] == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -421,3 +422,101 @@ def test_redis_watcher_diffs_a_snapshot_when_the_log_cannot_say(redis_registry, 
     stop.set()
     t.join(timeout=5)
     assert len(snapshots) == 2  # the starting one, and the diff that found the rollback
+
+
+# --- retention ---------------------------------------------------------------------------------------------------
+def _kept(reg, task="sentiment"):
+    return [v.version for v in reg.versions(task)]
+
+
+def test_retention_keeps_the_newest_n_and_the_current_one(registry, patches_abc):
+    registry.retired_grace_s = 0.0  # no replica to wait for: only the count and the current version count
+    for _ in range(6):
+        registry.put(patches_abc[0])
+    registry.set_current("sentiment", 2)  # rolled back to an old version
+    state = _state(registry)
+    would = registry.prune("sentiment", 3, dry_run=True)
+    assert [v.version for v in would] == [1, 3] and _state(registry) == state  # a dry run changes nothing
+    gen = registry.generation()
+    gone = registry.prune("sentiment", 3)
+    assert gone == would and _kept(registry) == [2, 4, 5, 6]
+    assert registry.generation() == gen and registry.info("sentiment").version == 2  # watchers see nothing
+    assert registry.get("sentiment", 4)[1].patch_id == patches_abc[0].patch_id
+    with pytest.raises(VersionNotFoundError):
+        registry.get("sentiment", 1)
+    assert registry.prune("sentiment", 3) == []
+    registry.set_current("sentiment", 6)
+    assert [v.version for v in registry.prune("sentiment", 3)] == [2]  # no longer current: it goes too
+    assert registry.put(patches_abc[1]).version == 7  # numbers are never reused
+    with pytest.raises(TaskNotFoundError):
+        registry.prune("nope", 3)
+
+
+def test_retention_keeps_what_a_replica_may_still_serve(registry, patches_abc):
+    """Within the grace period a version stays if it was registered or current then, whatever the count."""
+    registry.retired_grace_s = 1.0
+    for _ in range(5):
+        registry.put(patches_abc[0])
+    assert registry.prune("sentiment", 1) == []  # all registered just now
+    time.sleep(1.2)
+    registry.set_current("sentiment", 2)  # v5 stops being current now
+    registry.set_current("sentiment", 3)  # and v2
+    assert [v.version for v in registry.prune("sentiment", 1)] == [1, 4]  # 5 newest, 3 current, 2 current just now
+    time.sleep(1.2)
+    assert [v.version for v in registry.prune("sentiment", 1)] == [2]
+    assert _kept(registry) == [3, 5]
+
+
+def test_keep_versions_prunes_after_every_registration(registry, patches_abc):
+    """1,000 registrations over 3 tasks with --keep-versions 3: never more than 3 versions a task, plus a current
+    older one; every current version readable throughout."""
+    registry.retired_grace_s, registry.keep_versions = 0.0, 3
+    tasks = ["a", "b", "c"]
+    patches = {t: make_patch_for(patches_abc[0], t) for t in tasks}
+    for i in range(1000):
+        task = tasks[i % 3]
+        info = registry.put(patches[task])
+        if i == 500:
+            registry.set_current("a", registry.info("a").version - 2)  # an older version current for a while
+        assert len(registry.versions(task)) <= 4
+        assert registry.get(task)[0].version == registry.info(task).version
+    for task in tasks:
+        versions = _kept(registry, task)
+        assert versions == list(range(versions[-1] - 2, versions[-1] + 1)), versions
+    assert info.version == 334  # the last of 1,000 went to "a"
+
+
+def make_patch_for(patch, task):
+    from dataclasses import replace
+
+    from patches.format import Patch
+
+    return Patch(replace(patch.meta, task=task), patch.biases, patch.head_weight, patch.head_bias)
+
+
+def test_patchserve_prune_dry_run_then_for_real(tmp_path, patches_abc, capsys):
+    from patches.cli import main
+
+    reg = DiskRegistry(tmp_path / "reg")
+    for patch in (patches_abc[0], make_patch_for(patches_abc[0], "other")):
+        for _ in range(4):
+            reg.put(patch)
+    url = f"disk://{tmp_path / 'reg'}"
+    assert main(["prune", "--registry", url]) == 2
+    assert "--keep-versions N" in capsys.readouterr().err
+    assert main(["prune", "--registry", url, "--keep-versions", "1", "--dry-run"]) == 0
+    assert "would delete 0 versions of 0 tasks" in capsys.readouterr().out  # all registered in the last 10 minutes
+    args = ["prune", "--registry", url, "--keep-versions", "1", "--grace-s", "0"]
+    assert main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "other: would delete v1, v2, v3" in out and "sentiment: would delete v1, v2, v3" in out
+    assert "would delete 6 versions of 2 tasks" in out and _kept(reg) == [1, 2, 3, 4]
+    assert main([*args, "--task", "other", "--json"]) == 0
+    assert [v["version"] for v in json.loads(capsys.readouterr().out)["other"]] == [1, 2, 3]
+    assert _kept(reg, "other") == [4] and _kept(reg) == [1, 2, 3, 4]
+    assert main([*args]) == 0
+    assert "deleted 3 versions of 1 tasks" in capsys.readouterr().out and _kept(reg) == [4]
+    assert sorted(p.name for p in (tmp_path / "reg" / "tasks" / "sentiment").iterdir()) == [
+        "manifest.json",
+        "v00000004.safetensors",
+    ]

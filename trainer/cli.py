@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patches.cli import add_registry_option
+from patches.cli import add_registry_option, add_retention_option
 from patches.jobs import METRIC_NAMES, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
 
@@ -173,7 +173,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.registry_given and not args.full:
         from patches.store import open_registry
 
-        registry = open_registry(args.registry)
+        registry = open_registry(args.registry, keep_versions=args.keep_versions)
         registry.ping()
     encoder = load_encoder(args.model)
     progress = None if sys.stderr.isatty() else progress_logger()
@@ -270,7 +270,7 @@ def _worker(args: argparse.Namespace) -> int:
     from trainer.worker import Worker
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    queue, registry = JobQueue(_queue_url(args)), open_registry(args.registry)
+    queue, registry = JobQueue(_queue_url(args)), open_registry(args.registry, keep_versions=args.keep_versions)
     encoder = load_encoder(args.model)
     stop = threading.Event()
     # SIGTERM (docker stop, a Kubernetes rollout): stop training within a second or so, hand the job back, exit
@@ -370,6 +370,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", help="write the JSON report here, and a PNG (learning curve + bias heatmap) beside it")
     p.add_argument("--model", default="default", help="base encoder: 'default', a local HF folder or a hub id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: CUDA when present)")
+    add_retention_option(p)
     p.set_defaults(func=_train, registry_given=False)
 
     p = sub.add_parser(
@@ -395,6 +396,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         "and exits.",
     )
     add_registry_option(p)
+    add_retention_option(p)
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV}; default: the registry if Redis)")
     p.add_argument(
         "--model",

@@ -34,14 +34,17 @@ BACKENDS: dict[str, Callable[[str], Registry]] = {
 }
 
 
-def open_registry(url: str) -> Registry:
-    """Open the registry a URL names. A URL without a scheme is a disk folder."""
+def open_registry(url: str, *, keep_versions: int | None = None) -> Registry:
+    """Open the registry a URL names. A URL without a scheme is a disk folder. ``keep_versions``: after each put,
+    delete the task's versions beyond the newest N (``Registry.prune``); None keeps all."""
     scheme = url.split("://", 1)[0] if "://" in url else "disk"
     if scheme not in BACKENDS:
         raise RegistryError(
             f"unknown registry URL scheme {scheme!r} in {redact_url(url)!r}; use one of {sorted(BACKENDS)}"
         )
-    return BACKENDS[scheme](url)
+    registry = BACKENDS[scheme](url)
+    registry.keep_versions = keep_versions
+    return registry
 
 
 __all__ = [

@@ -8,6 +8,7 @@ notification can only delay a change, never lose it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -16,8 +17,15 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from patches.errors import RegistryError, TaskNotFoundError
+from patches.errors import PatchServeError, RegistryError, TaskNotFoundError
 from patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
+
+log = logging.getLogger(__name__)
+
+# A version that was current this recently is kept by retention whatever its age: a replica that has not yet heard
+# of the change that replaced it may still fetch it (replicas hear within milliseconds; this covers one cut off from
+# the registry for a while).
+RETIRED_GRACE_S = 600.0
 
 
 def redact_url(url: str) -> str:
@@ -73,6 +81,28 @@ class Change:
     current: VersionInfo | None
 
 
+def parse_time(iso: str) -> float:
+    """An ISO-8601 time as written by ``iso_time``, as Unix seconds."""
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def versions_to_prune(
+    versions: list[VersionInfo], current: int, retired: dict[int, float], keep: int, now: float, grace_s: float
+) -> list[VersionInfo]:
+    """Which of a task's ``versions`` retention deletes, keeping the newest ``keep``: never the current one, nor one
+    registered or made current within ``grace_s`` seconds of ``now`` (``retired``: version -> when it stopped being
+    current), since a replica may still be serving it."""
+    newest = {v.version for v in sorted(versions, key=lambda v: v.version)[-keep:]} if keep > 0 else set()
+    return [
+        v
+        for v in sorted(versions, key=lambda v: v.version)
+        if v.version not in newest
+        and v.version != current
+        and parse_time(v.registered_at) < now - grace_s
+        and retired.get(v.version, 0.0) < now - grace_s
+    ]
+
+
 def diff_snapshots(old: dict[str, VersionInfo], new: dict[str, VersionInfo]) -> list[Change]:
     """Changes that turn snapshot ``old`` into ``new`` (new/updated/rolled-back tasks, then deleted ones)."""
     changes = [Change(t, v) for t, v in sorted(new.items()) if old.get(t) != v]
@@ -85,6 +115,9 @@ class Registry(ABC):
 
     url: str
     max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES
+    # retention: after each put, delete the task's versions beyond the newest ``keep_versions`` (None: keep all)
+    keep_versions: int | None = None
+    retired_grace_s: float = RETIRED_GRACE_S
 
     # --- writes --------------------------------------------------------------------------------------------
     @abstractmethod
@@ -98,6 +131,12 @@ class Registry(ABC):
     @abstractmethod
     def set_current(self, task: str, version: int) -> VersionInfo:
         """Make an existing version current (rollback / roll forward)."""
+
+    @abstractmethod
+    def prune(self, task: str, keep: int, *, dry_run: bool = False) -> list[VersionInfo]:
+        """Delete ``task``'s versions beyond the newest ``keep`` (``versions_to_prune`` says which are kept whatever
+        their age); returns what was deleted, or with ``dry_run`` what would be. The current version never changes,
+        so watchers see nothing."""
 
     # --- reads ---------------------------------------------------------------------------------------------
     @abstractmethod
@@ -136,6 +175,31 @@ class Registry(ABC):
         """Release connections."""
 
     # --- shared behaviour ----------------------------------------------------------------------------------
+    def _retain(self, task: str) -> None:
+        """After a put: apply ``keep_versions``. A failure is logged, not raised: the put itself has succeeded, and
+        the next put (or ``patchserve prune``) tries again."""
+        if self.keep_versions is None:
+            return
+        try:
+            gone = self.prune(task, self.keep_versions)
+        except (PatchServeError, OSError) as exc:  # the registration stands; say why retention did not run
+            log.warning("retention: could not prune %s's old versions (%s); the next registration retries", task, exc)
+            return
+        if gone:
+            log.info("retention: deleted %s v%s", task, ",".join(str(v.version) for v in gone))
+
+    def prune_all(self, keep: int, *, dry_run: bool = False) -> dict[str, list[VersionInfo]]:
+        """``prune`` every task; the tasks that lost (or would lose) versions, with those versions."""
+        out = {}
+        for task in self.tasks():
+            try:
+                gone = self.prune(task, keep, dry_run=dry_run)
+            except TaskNotFoundError:
+                continue  # deleted while we listed
+            if gone:
+                out[task] = gone
+        return out
+
     def get(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
         """The current (or given) version, parsed and checked against its recorded content hash."""
         info, data = self.get_bytes(task, version)

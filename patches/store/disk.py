@@ -5,7 +5,8 @@ Layout under the root::
     GENERATION                       counter, rewritten atomically on every change (what watchers poll)
     locks/<task>.lock, locks/.global  flock files (outside task folders, so a delete cannot strand a waiter)
     pending/<task>                   a change of that task is under way (see below)
-    tasks/<task>/manifest.json       {"current": n, "last": n, "versions": {"1": VersionInfo, ...}}
+    tasks/<task>/manifest.json       {"current": n, "last": n, "versions": {"1": VersionInfo, ...},
+                                      "retired": {"1": unix time it stopped being current, ...}}
     tasks/<task>/v00000001.safetensors
 
 Every file is written to a temporary name, fsynced, renamed into place and the folder fsynced. A patch file is
@@ -41,7 +42,7 @@ from patches.errors import (
     VersionNotFoundError,
 )
 from patches.format import FILE_SUFFIX, Patch, validate_task_name
-from patches.store.base import Registry, VersionInfo, utc_now
+from patches.store.base import Registry, VersionInfo, utc_now, versions_to_prune
 
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
@@ -197,9 +198,17 @@ class DiskRegistry(Registry):
             atomic_write(folder / self._file(version), data)
             info = VersionInfo(task, version, patch.patch_id, len(data), utc_now())
             manifest["versions"][str(version)] = info.to_dict()
+            self._retire(manifest)
             manifest["current"] = manifest["last"] = version
             self._write_manifest(task, manifest)
+        self._retain(task)
         return info
+
+    @staticmethod
+    def _retire(manifest: dict[str, Any]) -> None:
+        """The current version stops being current now (retention keeps it a while: versions_to_prune)."""
+        if manifest["current"]:
+            manifest.setdefault("retired", {})[str(manifest["current"])] = time.time()
 
     def delete(self, task: str) -> None:
         folder = self._task_dir(task)
@@ -221,9 +230,27 @@ class DiskRegistry(Registry):
             manifest = self._read_manifest(task)  # again, under the lock
             if str(version) not in manifest["versions"]:
                 raise VersionNotFoundError(task, version, sorted(int(v) for v in manifest["versions"]))
+            if int(manifest["current"]) != version:
+                self._retire(manifest)
             manifest["current"] = version
             self._write_manifest(task, manifest)
         return self._info(manifest, version)
+
+    def prune(self, task: str, keep: int, *, dry_run: bool = False) -> list[VersionInfo]:
+        with self._lock(f"{task}.lock"):  # the current version does not change: no generation bump
+            manifest = self._read_manifest(task)
+            retired = {int(v): t for v, t in manifest.get("retired", {}).items()}
+            infos = [self._info(manifest, int(v)) for v in manifest["versions"]]
+            gone = versions_to_prune(infos, int(manifest["current"]), retired, keep, time.time(), self.retired_grace_s)
+            if dry_run or not gone:
+                return gone
+            for info in gone:  # the manifest first: a crash before the files go leaves files it no longer names,
+                del manifest["versions"][str(info.version)]  # which opening the registry removes
+                manifest.get("retired", {}).pop(str(info.version), None)
+            self._write_manifest(task, manifest)
+            for info in gone:
+                (self._task_dir(task) / self._file(info.version)).unlink(missing_ok=True)
+        return gone
 
     # --- reads ---------------------------------------------------------------------------------------------
     def info(self, task: str, version: int | None = None) -> VersionInfo:

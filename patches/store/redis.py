@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -19,7 +20,7 @@ import redis
 
 from patches.errors import RegistryUnavailableError, TaskNotFoundError, VersionNotFoundError
 from patches.format import Patch, validate_task_name
-from patches.store.base import Registry, VersionInfo, redact_url, utc_now
+from patches.store.base import Registry, VersionInfo, redact_url, utc_now, versions_to_prune
 from patches.store.redis_keys import CHANGE_LOG_LENGTH, DEFAULT_PREFIX, RedisKeys
 
 T = TypeVar("T")
@@ -92,9 +93,12 @@ class RedisRegistry(Registry):
         data, k = patch.data, self.keys
 
         def tx(pipe: Any) -> VersionInfo:
-            version = int(pipe.hget(k.task(task), "last") or 0) + 1
+            last, current = pipe.hmget(k.task(task), "last", "current")
+            version = int(last or 0) + 1
             info = VersionInfo(task, version, patch.patch_id, len(data), utc_now())
             pipe.multi()
+            if current is not None:  # it stops being current now (retention keeps it a while)
+                pipe.hset(k.retired(task), current, time.time())
             pipe.set(k.blob(task, version), data)
             pipe.hset(k.versions(task), str(version), json.dumps(info.to_dict()))
             pipe.hset(k.task(task), mapping={"current": version, "last": version})
@@ -104,7 +108,9 @@ class RedisRegistry(Registry):
             pipe.publish(k.changes, task)
             return info
 
-        return self._transaction(tx, k.task(task))
+        info = self._transaction(tx, k.task(task))
+        self._retain(task)
+        return info
 
     def delete(self, task: str) -> None:
         k = self.keys
@@ -115,7 +121,7 @@ class RedisRegistry(Registry):
                 raise TaskNotFoundError(task)
             versions = pipe.hkeys(k.versions(task))
             pipe.multi()
-            pipe.delete(k.task(task), k.versions(task), *[k.blob(task, int(v)) for v in versions])
+            pipe.delete(k.task(task), k.versions(task), k.retired(task), *[k.blob(task, int(v)) for v in versions])
             pipe.srem(k.tasks, task)
             pipe.incr(k.generation)
             pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
@@ -133,7 +139,10 @@ class RedisRegistry(Registry):
                 if not pipe.exists(k.task(task)):
                     raise TaskNotFoundError(task)
                 raise VersionNotFoundError(task, version, sorted(int(v) for v in pipe.hkeys(k.versions(task))))
+            current = pipe.hget(k.task(task), "current")
             pipe.multi()
+            if current is not None and int(current) != version:
+                pipe.hset(k.retired(task), current, time.time())
             pipe.hset(k.task(task), "current", version)
             pipe.incr(k.generation)
             pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
@@ -141,6 +150,27 @@ class RedisRegistry(Registry):
             return VersionInfo.from_dict(json.loads(raw))
 
         return self._transaction(tx, k.task(task), k.versions(task))
+
+    def prune(self, task: str, keep: int, *, dry_run: bool = False) -> list[VersionInfo]:
+        k = self.keys
+        validate_task_name(task)
+
+        def tx(pipe: Any) -> list[VersionInfo]:
+            current = pipe.hget(k.task(task), "current")
+            if current is None:
+                raise TaskNotFoundError(task)
+            infos = [VersionInfo.from_dict(json.loads(raw)) for raw in pipe.hvals(k.versions(task))]
+            retired = {int(v): float(t) for v, t in pipe.hgetall(k.retired(task)).items()}
+            gone = versions_to_prune(infos, int(current), retired, keep, time.time(), self.retired_grace_s)
+            if dry_run or not gone:
+                return gone
+            pipe.multi()  # the current version does not change: no generation bump, nothing for watchers
+            pipe.delete(*[k.blob(task, v.version) for v in gone])
+            pipe.hdel(k.versions(task), *[str(v.version) for v in gone])
+            pipe.hdel(k.retired(task), *[str(v.version) for v in gone])
+            return gone
+
+        return self._transaction(tx, k.task(task), k.versions(task), k.retired(task))
 
     # --- reads ---------------------------------------------------------------------------------------------
     def _current(self, task: str) -> int:

@@ -28,6 +28,10 @@ class RedisKeys:
         """Hash version -> VersionInfo JSON."""
         return f"{self.prefix}task:{name}:versions"
 
+    def retired(self, name: str) -> str:
+        """Hash version -> Unix time it stopped being current (retention keeps such a version a while)."""
+        return f"{self.prefix}task:{name}:retired"
+
     def blob(self, name: str, version: int) -> str:
         """Patch bytes of one version."""
         return f"{self.prefix}task:{name}:blob:{version}"
