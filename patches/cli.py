@@ -18,6 +18,7 @@ from patches.errors import PatchServeError
 DEFAULT_REGISTRY = "disk://./registry"
 REGISTRY_ENV = "PATCHSERVE_REGISTRY"
 KEEP_VERSIONS_ENV = "PATCHSERVE_KEEP_VERSIONS"
+MIN_REPLICAS_ENV = "PATCHSERVE_REDIS_MIN_REPLICAS"
 
 
 def add_registry_option(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,19 @@ def add_retention_option(p: argparse.ArgumentParser, when: str = "after each reg
         metavar="N",
         help=f"{when}: delete the task's versions beyond the newest N; the current version and any version "
         f"current in the last 10 minutes stay whatever their age (env {KEEP_VERSIONS_ENV}; default: keep all)",
+    )
+
+
+def add_min_replicas_option(p: argparse.ArgumentParser) -> None:
+    """``--redis-min-replicas N`` for commands that write to a Redis registry or queue, with the shared env var."""
+    p.add_argument(
+        "--redis-min-replicas",
+        type=int,
+        default=int(os.environ.get(MIN_REPLICAS_ENV) or 0),
+        metavar="N",
+        help="a write to Redis counts as made only once N replicas hold it too (Redis WAIT, up to 2 s; else the "
+        "command fails saying the write may still have happened); survives a failover. Env "
+        f"{MIN_REPLICAS_ENV}; default 0: acknowledged by the primary alone, as Redis does",
     )
 
 
@@ -106,7 +120,8 @@ def _register(args: argparse.Namespace) -> int:
     from patches.store import open_registry
 
     patch = Patch.read(args.file)
-    info = open_registry(args.registry, keep_versions=args.keep_versions).put(patch)
+    registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
+    info = registry.put(patch)
     print(f"registered {info.task} v{info.version} ({info.patch_id})")
     return 0
 
@@ -120,7 +135,7 @@ def _prune(args: argparse.Namespace) -> int:
     if args.keep_versions is None:
         print(f"error: say how many versions to keep: --keep-versions N (or set {KEEP_VERSIONS_ENV})", file=sys.stderr)
         return 2
-    reg = open_registry(args.registry)
+    reg = open_registry(args.registry, min_replicas=args.redis_min_replicas)
     if args.grace_s is not None:
         reg.retired_grace_s = args.grace_s
     if args.task:
@@ -156,6 +171,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", help="a .safetensors patch file")
     add_registry_option(p)
     add_retention_option(p)
+    add_min_replicas_option(p)
     p.set_defaults(func=_register)
 
     p = sub.add_parser(
@@ -169,6 +185,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     add_registry_option(p)
     add_retention_option(p, when="now")
+    add_min_replicas_option(p)
     p.add_argument("--task", action="append", help="only this task (repeatable; default: every task)")
     p.add_argument(
         "--grace-s",

@@ -90,6 +90,11 @@ class RegistryUnavailableError(RegistryError):
     """The backing store (disk folder or Redis) cannot be reached."""
 
 
+class ReplicationError(RegistryUnavailableError):
+    """A write reached the Redis primary but not the replicas it must reach before it counts (--redis-min-replicas):
+    it may be lost in a failover. The message says so, and that the client should check before it retries."""
+
+
 def describe_validation_errors(errors: Iterable[Mapping[str, Any]], limit: int = 5) -> str:
     """pydantic-style errors (``ValidationError.errors()``, FastAPI's request errors) as one line,
     ``where: problem; where: problem``. The values sent are never echoed: they may be huge, NaN or not

@@ -31,7 +31,14 @@ from patches.bitfit import BIAS_SUBSETS
 from patches.errors import InvalidTaskNameError, PatchServeError, describe_validation_errors
 from patches.format import KINDS, POOLINGS, Label, shown, unprintable, validate_task_name
 from patches.store.base import iso_time, redact_url
-from patches.store.redis import call_redis, parse_redis_url, run_transaction
+from patches.store.redis import (
+    DurableWrites,
+    call_redis,
+    connect_redis,
+    is_redis_url,
+    parse_redis_url,
+    run_transaction,
+)
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
 
 JOB_FILES = ("train", "dev", "test")
@@ -325,14 +332,18 @@ class Job:
 class JobQueue:
     """Training jobs in Redis (``redis://host:port/db``, ``?prefix=`` as for the registry)."""
 
-    def __init__(self, url: str, *, max_file_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, url: str, *, max_file_bytes: int = 256 * 1024 * 1024, min_replicas: int = 0) -> None:
         conn, prefix = parse_redis_url(url)
-        if not conn.startswith(("redis://", "rediss://", "unix://")):
-            raise JobError(f"the job queue needs Redis (redis://host:port/db), got {redact_url(url)!r}")
+        if not is_redis_url(conn):
+            raise JobError(
+                f"the job queue needs Redis (redis://host:port/db or redis+sentinel://...), got {redact_url(url)!r}"
+            )
         self.url = redact_url(url)
         self.keys = RedisKeys(prefix)
-        self.r = redis.Redis.from_url(conn, socket_connect_timeout=5, health_check_interval=30)
+        self.r = connect_redis(conn)
         self.max_file_bytes = max_file_bytes
+        # a job answered 202 (and a cancel answered) is on min_replicas replicas too: DurableWrites
+        self.durable = DurableWrites(conn, min_replicas, self._what)
 
     @property
     def _what(self) -> str:
@@ -370,13 +381,17 @@ class JobQueue:
             created_at=time.time(),
         )
         k = self.keys
-        pipe = self.r.pipeline(transaction=True)
-        for role, (_, data) in files.items():
-            pipe.set(k.job_file(job.id, role), data)
-        pipe.hset(k.job(job.id), mapping=job.to_hash())
-        pipe.zadd(k.job_index, {job.id: job.created_at})
-        pipe.xadd(k.job_stream, {"job": job.id})
-        self._call(pipe.execute)
+
+        def write(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=True)
+            for role, (_, data) in files.items():
+                pipe.set(k.job_file(job.id, role), data)
+            pipe.hset(k.job(job.id), mapping=job.to_hash())
+            pipe.zadd(k.job_index, {job.id: job.created_at})
+            pipe.xadd(k.job_stream, {"job": job.id})
+            self._call(pipe.execute)
+
+        self.durable.run(self.r, write)
         return job
 
     def get(self, job_id: str) -> Job:
@@ -414,7 +429,7 @@ class JobQueue:
                 pipe.hset(key, "error", "cancelled before it started")
             return status
 
-        if run_transaction(self.r, tx, key, what=self._what) == "queued":
+        if self.durable.run(self.r, lambda client: run_transaction(client, tx, key, what=self._what)) == "queued":
             self._drop_data(job.id)
         return self.get(job.id)
 
@@ -456,17 +471,23 @@ class JobQueue:
         data: bytes | None = self._call(lambda: self.r.get(self.keys.job_file(job_id, role)))
         return data
 
-    def update(self, job_id: str, **values: Any) -> None:
+    def update(self, job_id: str, client: redis.Redis | None = None, **values: Any) -> None:
         mapping: dict[Any, Any] = {
             k: json.dumps(v) if k in Job._JSON else str(v) for k, v in values.items() if v is not None
         }
-        self._call(lambda: self.r.hset(self.keys.job(job_id), mapping=mapping))
+        r = client or self.r
+        self._call(lambda: r.hset(self.keys.job(job_id), mapping=mapping))
 
     def stash_patch(self, job_id: str, data: bytes, patch_id: str) -> None:
-        """Record the trained patch in the job before registering it (what makes registration idempotent)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.job(job_id), mapping={"patch": data, "patch_id": patch_id})
-        self._call(pipe.execute)
+        """Record the trained patch in the job before registering it (what makes registration idempotent; on
+        --redis-min-replicas replicas too, so a retry after a failover registers this patch, not a new one)."""
+
+        def write(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=True)
+            pipe.hset(self.keys.job(job_id), mapping={"patch": data, "patch_id": patch_id})
+            self._call(pipe.execute)
+
+        self.durable.run(self.r, write)
 
     def stashed_patch(self, job_id: str) -> bytes | None:
         data: bytes | None = self._call(lambda: self.r.hget(self.keys.job(job_id), "patch"))
@@ -474,12 +495,16 @@ class JobQueue:
 
     def finish(self, job_id: str, status: str, **values: Any) -> None:
         """Terminal state: record it, drop the data files and the stashed patch, expire the record later."""
-        self.update(job_id, status=status, finished_at=time.time(), **values)
-        self._drop_data(job_id)
 
-    def _drop_data(self, job_id: str) -> None:
+        def write(client: redis.Redis) -> None:
+            self.update(job_id, client, status=status, finished_at=time.time(), **values)
+            self._drop_data(job_id, client)
+
+        self.durable.run(self.r, write)
+
+    def _drop_data(self, job_id: str, client: redis.Redis | None = None) -> None:
         k = self.keys
-        pipe = self.r.pipeline(transaction=True)
+        pipe = (client or self.r).pipeline(transaction=True)
         pipe.hdel(k.job(job_id), "patch")
         pipe.delete(*[k.job_file(job_id, role) for role in JOB_FILES])
         pipe.expire(k.job(job_id), FINISHED_TTL_S)
@@ -533,4 +558,5 @@ class JobQueue:
         self._call(pipe.execute)
 
     def close(self) -> None:
+        self.durable.close()
         self.r.close()

@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -36,11 +37,8 @@ def start_redis(workdir: Path, *options: str, password: str | None = None) -> tu
     caller stops it) and its URL once it answers."""
     import redis
 
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does this)")
     port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args = [_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     args += ["--dir", str(workdir)]
     if password is not None:
         args += ["--requirepass", password]
@@ -114,3 +112,144 @@ def served(folder: Path, env: dict[str, str], *args: str) -> Iterator[str]:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, proc=proc)
         yield base
+
+
+class SentinelRedis:
+    """A Redis primary, ``replicas`` replicas and three Sentinels monitoring them (service ``patchserve``), as
+    throwaway local processes on free ports: what a production Redis with failover looks like, for tests and
+    benchmarks. ``url`` is the ``redis+sentinel://`` URL of the deployment; ``kill_primary()`` kills -9 whichever
+    node is primary now and ``wait_for_failover()`` returns once the Sentinels name another."""
+
+    SERVICE = "patchserve"
+
+    def __init__(self, workdir: Path, *, replicas: int = 1, down_after_ms: int = 1000) -> None:
+        self.workdir, self.down_after_ms = workdir, down_after_ms
+        self.nodes: dict[int, subprocess.Popen] = {}
+        self.sentinels: list[subprocess.Popen] = []
+        self.sentinel_ports: list[int] = []
+        try:
+            first, _ = self._start_node(free_port())
+            for _ in range(replicas):
+                self._start_node(free_port(), replica_of=first)
+            self.sentinel_ports = [free_port() for _ in range(3)]
+            for port in self.sentinel_ports:
+                self._start_sentinel(port, first)
+        except BaseException:
+            self.stop()
+            raise
+        ports = self.sentinel_ports
+        self.url = f"redis+sentinel://{','.join(f'127.0.0.1:{p}' for p in ports)}/{self.SERVICE}/0"
+        self._wait(lambda: self.primary_port() == first and self._sentinels_see_replicas(replicas), "the Sentinels")
+
+    def _start_node(self, port: int, replica_of: int | None = None) -> tuple[int, subprocess.Popen]:
+        folder = self.workdir / f"redis-{port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]
+        if replica_of is not None:
+            args += ["--replicaof", "127.0.0.1", str(replica_of)]
+        proc = subprocess.Popen([_redis_server(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.nodes[port] = proc
+        self._wait(lambda: _answers(port), f"redis-server on port {port}")
+        return port, proc
+
+    def _start_sentinel(self, port: int, primary: int) -> None:
+        conf = self.workdir / f"sentinel-{port}.conf"  # Sentinel rewrites its configuration file: one each
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {primary} 2\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+            f"sentinel parallel-syncs {self.SERVICE} 1\n"
+        )
+        proc = subprocess.Popen(
+            [_redis_server(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.sentinels.append(proc)
+        self._wait(lambda: _answers(port), f"redis-sentinel on port {port}")
+
+    def _ask(self, *command: str) -> object:
+        import redis
+
+        for port in self.sentinel_ports:
+            with contextlib.suppress(redis.RedisError):
+                client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+                try:
+                    return client.execute_command(*command)
+                finally:
+                    client.close()
+        return None
+
+    def primary_port(self) -> int | None:
+        """The port of the node the Sentinels name primary now (None while none answers)."""
+        found = self._ask("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+        return int(found[1]) if isinstance(found, list) and found else None
+
+    def replica_ports(self) -> set[int]:
+        """The ports of the replicas the Sentinels see up and in sync with the primary now."""
+        found = self._ask("SENTINEL", "REPLICAS", self.SERVICE)
+        replicas = found if isinstance(found, list) else []
+        return {
+            int(r["port"])
+            for r in replicas
+            if isinstance(r, dict)
+            and not {"s_down", "o_down", "disconnected"} & set(str(r.get("flags", "")).split(","))
+            and r.get("master-link-status") == "ok"
+        }
+
+    def _sentinels_see_replicas(self, n: int) -> bool:
+        return len(self.replica_ports()) >= n
+
+    def kill_primary(self) -> int:
+        """kill -9 the primary; returns its port."""
+        port = self.primary_port()
+        if port is None or port not in self.nodes:
+            raise RuntimeError("the Sentinels name no primary that this deployment started")
+        self.nodes[port].kill()
+        self.nodes[port].wait(timeout=10)
+        return port
+
+    def wait_for_failover(self, old: int, timeout: float = 30.0) -> int:
+        """Until the Sentinels name a primary other than ``old``; returns its port."""
+        self._wait(lambda: self.primary_port() not in (None, old), "a failover", timeout)
+        port = self.primary_port()
+        assert port is not None
+        return port
+
+    def restart_as_replica(self, port: int) -> None:
+        """Bring a killed node back on its port as a replica of the primary now (what an operator does)."""
+        primary = self.primary_port()
+        if primary is None:
+            raise RuntimeError("no primary to replicate")
+        self._start_node(port, replica_of=primary)
+
+    def _wait(self, check: Any, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not get ready in {timeout:g} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in [*self.sentinels, *self.nodes.values()]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+def _redis_server() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed: run `apt-get install -y redis-server` (.ci/run does this)")
+    return binary
+
+
+def _answers(port: int) -> bool:
+    import redis
+
+    client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()

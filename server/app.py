@@ -73,7 +73,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         (InvalidTaskNameError, 422),
         (InputError, 422),
         (PatchError, 409),  # a registered patch that does not fit this server's encoder
-        (RegistryUnavailableError, 503),
     ]
     for exc_type, status in table:
 
@@ -107,6 +106,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(OverloadedError, retry_later)
     app.add_exception_handler(EngineUnavailableError, retry_later)
+    app.add_exception_handler(RegistryUnavailableError, retry_later)  # Redis down or failing over: writes wait
     app.add_exception_handler(EngineError, engine_failed)
     app.add_exception_handler(ClientGoneError, client_gone)
     app.add_exception_handler(RequestValidationError, invalid_request)
@@ -162,7 +162,7 @@ def create_app(
             info, engine = await _local_engine(settings, encoder, metrics)
         else:
             info, engine = await _remote_engine(engine_address)
-        reg = registry or open_registry(settings.registry)
+        reg = registry or open_registry(settings.registry, min_replicas=settings.redis_min_replicas)
         if settings.keep_versions is not None:  # retention after each registration through this server
             reg.keep_versions = settings.keep_versions
         reg.max_patch_bytes = settings.max_patch_bytes
@@ -180,7 +180,7 @@ def create_app(
                 log.info("preloaded %d of %d tasks in %.1f s", loaded, len(catalog.current), time.perf_counter() - t0)
             engine.start()
         queue_url = settings.queue or (settings.registry if settings.registry.startswith("redis") else None)
-        queue = JobQueue(queue_url) if queue_url else None
+        queue = JobQueue(queue_url, min_replicas=settings.redis_min_replicas) if queue_url else None
         app.state.service = Service(settings, info, reg, engine, catalog, metrics, queue)
         # Everything built so far (torch, transformers, the app, the encoder) lives as long as the process. A full
         # collection would walk its ~400k objects (~190 ms on 2 CPU cores) and stall every request meanwhile: the

@@ -28,7 +28,7 @@ _MEANING = {
     413: "The body is over this route's limit (the message names the setting).",
     422: "Invalid input: the message names each field and its problem.",
     501: "This server has no job queue (start it with PATCHSERVE_QUEUE or a Redis registry).",
-    503: "The server is overloaded (with Retry-After), starting, or cannot reach its registry or job queue.",
+    503: "The server is overloaded, starting, or cannot reach its registry or job queue (with Retry-After).",
     504: "The request took longer than the request timeout.",
 }
 

@@ -78,6 +78,13 @@ class ServerSettings(BaseSettings):
         None,
         description="Redis URL of the training-job queue (POST /jobs). Default: the registry, when it is Redis.",
     )
+    redis_min_replicas: int = Field(
+        0,
+        ge=0,
+        description="With a Redis registry or queue: a registration, rollback, delete or job submission answers "
+        "only once this many replicas hold it too (Redis WAIT, up to 2 s; else 503 saying the write may still have "
+        "happened), so it survives a failover. 0: acknowledged by the primary alone (Redis replicates later).",
+    )
     keep_versions: int | None = Field(
         None,
         ge=1,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patches.cli import add_registry_option, add_retention_option
+from patches.cli import add_min_replicas_option, add_registry_option, add_retention_option
 from patches.jobs import METRIC_NAMES, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
 
@@ -173,7 +173,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.registry_given and not args.full:
         from patches.store import open_registry
 
-        registry = open_registry(args.registry, keep_versions=args.keep_versions)
+        registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
         registry.ping()
     encoder = load_encoder(args.model)
     progress = None if sys.stderr.isatty() else progress_logger()
@@ -252,7 +252,7 @@ QUEUE_ENV = "PATCHSERVE_QUEUE"
 def _queue_url(args: argparse.Namespace) -> str:
     url = args.queue or os.environ.get(QUEUE_ENV) or ""
     reg = getattr(args, "registry", None) or os.environ.get("PATCHSERVE_REGISTRY", "")
-    if not url and reg.startswith(("redis://", "rediss://")):
+    if not url and reg.startswith(("redis://", "rediss://", "redis+sentinel://")):
         url = reg
     if not url:
         raise SystemExit(f"error: the job queue needs Redis: pass --queue redis://host:port/db or set {QUEUE_ENV}")
@@ -270,7 +270,8 @@ def _worker(args: argparse.Namespace) -> int:
     from trainer.worker import Worker
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    queue, registry = JobQueue(_queue_url(args)), open_registry(args.registry, keep_versions=args.keep_versions)
+    queue = JobQueue(_queue_url(args), min_replicas=args.redis_min_replicas)
+    registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
     encoder = load_encoder(args.model)
     stop = threading.Event()
     # SIGTERM (docker stop, a Kubernetes rollout): stop training within a second or so, hand the job back, exit
@@ -307,7 +308,7 @@ def _submit(args: argparse.Namespace) -> int:
     splits = job_splits(files, kind=checked.kind, seed=checked.seed)  # bad data is refused here, not later in a worker
     checked.selection_metric(splits.train.kind, splits.train.labels)  # and a metric that cannot score it
     gate = {"min_dev": args.min_dev, "not_worse": args.not_worse}
-    job = JobQueue(_queue_url(args)).submit(config, files, gate)
+    job = JobQueue(_queue_url(args), min_replicas=args.redis_min_replicas).submit(config, files, gate)
     print(json.dumps({"id": job.id, "task": job.task, "status": job.status}))
     return 0
 
@@ -319,7 +320,7 @@ def _jobs(args: argparse.Namespace) -> int:
     if len(words) > 2 or (len(words) == 2 and words[0] != "cancel") or words == ["cancel"]:
         print("error: use `patchserve jobs`, `patchserve jobs ID` or `patchserve jobs cancel ID`", file=sys.stderr)
         return 2
-    queue = JobQueue(_queue_url(args))
+    queue = JobQueue(_queue_url(args), min_replicas=args.redis_min_replicas)
     if len(words) == 2:
         job = queue.cancel(words[1])
         ended = job.status == "cancelled"
@@ -371,6 +372,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="default", help="base encoder: 'default', a local HF folder or a hub id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: CUDA when present)")
     add_retention_option(p)
+    add_min_replicas_option(p)
     p.set_defaults(func=_train, registry_given=False)
 
     p = sub.add_parser(
@@ -397,6 +399,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     add_registry_option(p)
     add_retention_option(p)
+    add_min_replicas_option(p)
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV}; default: the registry if Redis)")
     p.add_argument(
         "--model",
@@ -454,6 +457,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-dev", type=float, help="register only if the dev score (of --metric) reaches this")
     p.add_argument("--not-worse", action="store_true", help="register only if not worse than the current version")
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
+    add_min_replicas_option(p)
     p.set_defaults(func=_submit)
 
     p = sub.add_parser(
@@ -466,4 +470,5 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue", help=f"Redis URL of the job queue (env {QUEUE_ENV})")
     p.add_argument("--limit", type=int, default=50, help="how many recent jobs to list (default 50)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_min_replicas_option(p)
     p.set_defaults(func=_jobs)

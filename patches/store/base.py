@@ -35,14 +35,14 @@ def redact_url(url: str) -> str:
     """
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
-    secret_query = any(k.lower() == "password" for k, _ in query)
+    secret_query = any(k.lower().endswith("password") for k, _ in query)
     if parts.password is None and not secret_query:
         return url
     netloc = parts.netloc
     if parts.password is not None:
         netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
     if secret_query:
-        query = [(k, "***" if k.lower() == "password" else v) for k, v in query]
+        query = [(k, "***" if k.lower().endswith("password") else v) for k, v in query]
     return parts._replace(netloc=netloc, query=urlencode(query, safe="*:/")).geturl()
 
 

@@ -14,11 +14,18 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 import redis
+from redis.sentinel import Sentinel
 
-from patches.errors import RegistryUnavailableError, TaskNotFoundError, VersionNotFoundError
+from patches.errors import (
+    RegistryError,
+    RegistryUnavailableError,
+    ReplicationError,
+    TaskNotFoundError,
+    VersionNotFoundError,
+)
 from patches.format import Patch, validate_task_name
 from patches.store.base import Registry, VersionInfo, redact_url, utc_now, versions_to_prune
 from patches.store.redis_keys import CHANGE_LOG_LENGTH, DEFAULT_PREFIX, RedisKeys
@@ -33,6 +40,100 @@ def parse_redis_url(url: str) -> tuple[str, str]:
     prefix = query.pop("prefix", [DEFAULT_PREFIX])[0]
     rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
     return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+REDIS_SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
+# a Redis that stops answering (a partition, not a crash) fails a call after 10 s instead of hanging it; the longest
+# blocking command is a worker's 2 s XREADGROUP
+_TIMEOUTS = {"socket_connect_timeout": 5.0, "socket_timeout": 10.0, "health_check_interval": 30}
+
+
+def is_redis_url(url: str) -> bool:
+    """Whether ``url`` names a Redis (directly or through Sentinel) rather than a disk folder."""
+    return "://" in url and url.split("://", 1)[0] in REDIS_SCHEMES
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
+    """``redis+sentinel://[:password@]host:port[,host:port...]/SERVICE[/DB][?sentinel_password=...]`` ->
+    (sentinels, service name, db, the data nodes' password, the sentinels' password)."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    password = unquote(userinfo.partition(":")[2]) or None
+    bad = f"Sentinel URL {redact_url(url)!r}: "
+    sentinels = []
+    for node in hosts.split(","):
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit():
+            raise RegistryError(bad + f"{node!r} is not host:port (list every Sentinel as host:port, comma-separated)")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [unquote(p) for p in parts.path.split("/") if p]
+    if not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise RegistryError(bad + "the path must be /SERVICE_NAME or /SERVICE_NAME/DB (the name Sentinel monitors)")
+    sentinel_password = parse_qs(parts.query).get("sentinel_password", [None])[0]
+    return sentinels, path[0], int(path[1]) if len(path) == 2 else 0, password, sentinel_password
+
+
+def connect_redis(conn_url: str, *, max_connections: int | None = None) -> redis.Redis:
+    """A client for ``conn_url`` (no ``prefix``): ``redis://``, ``rediss://`` and ``unix://`` directly;
+    ``redis+sentinel://`` to whichever node the Sentinels name primary, asking them again whenever it fails or
+    turns out to be a replica, so a failover is followed without a restart."""
+    if not conn_url.startswith(SENTINEL_SCHEME + "://"):
+        return redis.Redis.from_url(conn_url, max_connections=max_connections, **_TIMEOUTS)
+    sentinels, service, db, password, sentinel_password = parse_sentinel_url(conn_url)
+    sentinel = Sentinel(
+        sentinels,
+        sentinel_kwargs={"socket_connect_timeout": 2.0, "socket_timeout": 2.0, "password": sentinel_password},
+        password=password,
+        **_TIMEOUTS,
+    )
+    return sentinel.master_for(service, db=db, max_connections=max_connections)
+
+
+REPLICA_WAIT_S = 2.0  # how long a write waits for --redis-min-replicas replicas before it answers 503
+
+
+class DurableWrites:
+    """Writes that count as made only once ``min_replicas`` replicas hold them too (``--redis-min-replicas``).
+
+    Redis replicates asynchronously, and its WAIT command blocks until the replicas hold every earlier write *of the
+    connection it runs on*. So with ``min_replicas`` > 0 every write goes through one dedicated connection (one
+    write at a time per process: registrations and job submissions are rare), followed there by WAIT. With 0,
+    writes run on the caller's client as before."""
+
+    def __init__(self, conn_url: str, min_replicas: int, what: str, wait_s: float = REPLICA_WAIT_S) -> None:
+        if min_replicas < 0:
+            raise RegistryError(f"--redis-min-replicas must be 0 or more, got {min_replicas}")
+        self.min_replicas, self.what, self.wait_s = min_replicas, what, wait_s
+        self._client = connect_redis(conn_url, max_connections=1) if min_replicas else None
+        self._lock = threading.Lock()
+
+    def run(self, client: redis.Redis, write: Callable[[redis.Redis], T]) -> T:
+        """``write(a client)``, then (with ``min_replicas``) wait until enough replicas hold it: ReplicationError
+        when they do not in time, saying that the write may still have happened."""
+        if self._client is None:
+            return write(client)
+        with self._lock:
+            value = write(self._client)
+            try:
+                acked = int(self._client.wait(self.min_replicas, int(self.wait_s * 1000)))
+            except redis.RedisError as exc:
+                raise ReplicationError(
+                    f"{self.what}: the write was sent to the primary, then the connection failed ({exc}) before "
+                    f"{self.min_replicas} replica(s) confirmed it: it may or may not have been made, and may not "
+                    "survive a failover. Check whether it is there before retrying."
+                ) from exc
+        if acked < self.min_replicas:
+            raise ReplicationError(
+                f"{self.what}: the write was made on the primary, but {acked} of the {self.min_replicas} replica(s) "
+                f"required (--redis-min-replicas) confirmed it within {self.wait_s:g} s, so it may be lost if the "
+                "primary fails now. Check whether it is there before retrying."
+            )
+        return value
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
 
 def _refusal_hint(exc: redis.ResponseError) -> str | None:
@@ -71,13 +172,17 @@ _MAX_LOG_READ = 1000  # a watcher further behind than this diffs a snapshot inst
 
 
 class RedisRegistry(Registry):
-    """Registry in Redis (``redis://host:port/db``; add ``?prefix=name:`` to change the key prefix)."""
+    """Registry in Redis (``redis://host:port/db``, or ``redis+sentinel://host:port,.../SERVICE[/DB]`` to follow
+    failovers; add ``?prefix=name:`` to change the key prefix)."""
 
-    def __init__(self, url: str, *, prefix: str | None = None, client: redis.Redis | None = None) -> None:
+    def __init__(
+        self, url: str, *, prefix: str | None = None, client: redis.Redis | None = None, min_replicas: int = 0
+    ) -> None:
         conn_url, url_prefix = parse_redis_url(url)
         self.url = redact_url(url)
         self.keys = RedisKeys(prefix if prefix is not None else url_prefix)
-        self.r = client or redis.Redis.from_url(conn_url, socket_connect_timeout=5, health_check_interval=30)
+        self.r = client or connect_redis(conn_url)
+        self.durable = DurableWrites(conn_url, min_replicas, f"Redis registry at {self.url}")
         self._pubsub: Any = None
         self._pubsub_lock = threading.Lock()
 
@@ -85,7 +190,8 @@ class RedisRegistry(Registry):
         return call_redis(fn, f"Redis registry at {self.url}")
 
     def _transaction(self, fn: Callable[[Any], T], *watched: str) -> T:
-        return run_transaction(self.r, fn, *watched, what=f"Redis registry at {self.url}")
+        what = f"Redis registry at {self.url}"
+        return self.durable.run(self.r, lambda client: run_transaction(client, fn, *watched, what=what))
 
     # --- writes --------------------------------------------------------------------------------------------
     def put(self, patch: Patch) -> VersionInfo:
@@ -170,7 +276,10 @@ class RedisRegistry(Registry):
             pipe.hdel(k.retired(task), *[str(v.version) for v in gone])
             return gone
 
-        return self._transaction(tx, k.task(task), k.versions(task), k.retired(task))
+        watched = (k.task(task), k.versions(task), k.retired(task))
+        if dry_run:  # writes nothing: no replicas to wait for
+            return run_transaction(self.r, tx, *watched, what=f"Redis registry at {self.url}")
+        return self._transaction(tx, *watched)
 
     # --- reads ---------------------------------------------------------------------------------------------
     def _current(self, task: str) -> int:
@@ -266,12 +375,17 @@ class RedisRegistry(Registry):
                 self._pubsub = ps
             # Subscribed before reading the generation: a change after this read is either seen in the counter
             # now or arrives as a message below.
-            gen = self.generation()
-            if gen != since:
-                return gen
-            self._call(lambda: self._pubsub.get_message(timeout=timeout))
-            while self._call(lambda: self._pubsub.get_message(timeout=0)) is not None:
-                pass
+            try:
+                gen = self.generation()
+                if gen != since:
+                    return gen
+                self._call(lambda: self._pubsub.get_message(timeout=timeout))
+                while self._call(lambda: self._pubsub.get_message(timeout=0)) is not None:
+                    pass
+            except RegistryUnavailableError:  # subscribe afresh next time, to the primary as it is then
+                self._pubsub.close()
+                self._pubsub = None
+                raise
         return self.generation()
 
     def ping(self) -> None:
@@ -282,4 +396,5 @@ class RedisRegistry(Registry):
             if self._pubsub is not None:
                 self._pubsub.close()
                 self._pubsub = None
+        self.durable.close()
         self.r.close()

@@ -1,0 +1,226 @@
+"""Redis with Sentinel, for real: a primary, a replica and three Sentinels (redis-server processes on free ports),
+the primary killed with kill -9 while the registry, the job queue and a server process use a redis+sentinel:// URL.
+They follow the failover without a restart; while there is no primary, writes fail with a clear 503 and predictions
+of resident tasks go on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from patches.errors import RegistryError, RegistryUnavailableError, ReplicationError
+from patches.jobs import JobNotFoundError, JobQueue
+from patches.store import open_registry, redact_url
+from patches.store.redis import parse_sentinel_url
+from patchserve.local import SentinelRedis
+from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
+
+
+@pytest.fixture
+def sentinel_redis(tmp_path):
+    deployment = SentinelRedis(tmp_path / "redis")
+    yield deployment
+    deployment.stop()
+
+
+def _retry(fn, timeout: float = 30.0):
+    """``fn()`` until it stops raising RegistryUnavailableError; returns (its value, seconds it took)."""
+    start = time.monotonic()
+    while True:
+        try:
+            return fn(), time.monotonic() - start
+        except RegistryUnavailableError:
+            assert time.monotonic() - start < timeout, "the registry did not come back"
+            time.sleep(0.1)
+
+
+def test_sentinel_urls_parse_and_keep_their_secrets():
+    url = "redis+sentinel://:s3cret@10.0.0.1:26379,sentinel-b:26380,[::1]:26381/mymaster/2?sentinel_password=pw2"
+    sentinels, service, db, password, sentinel_password = parse_sentinel_url(url)
+    assert sentinels == [("10.0.0.1", 26379), ("sentinel-b", 26380), ("::1", 26381)]
+    assert (service, db, password, sentinel_password) == ("mymaster", 2, "s3cret", "pw2")
+    assert parse_sentinel_url("redis+sentinel://h:1/svc")[1:4] == ("svc", 0, None)
+    shown = redact_url(url)
+    assert "s3cret" not in shown and "pw2" not in shown and shown.startswith("redis+sentinel://:***@10.0.0.1:26379,")
+    for bad, says in [
+        ("redis+sentinel://h:1,h2/svc", "'h2' is not host:port"),
+        ("redis+sentinel://h:1/", "/SERVICE_NAME or /SERVICE_NAME/DB"),
+        ("redis+sentinel://h:1/svc/zero", "/SERVICE_NAME or /SERVICE_NAME/DB"),
+    ]:
+        with pytest.raises(RegistryError, match=says):
+            parse_sentinel_url(bad)
+
+
+def test_registry_and_queue_follow_a_failover(sentinel_redis, tiny_encoder):
+    reg, queue = open_registry(sentinel_redis.url), JobQueue(sentinel_redis.url)
+    assert reg.url == sentinel_redis.url and open_registry(sentinel_redis.url + "?prefix=x:").url.endswith("x:")
+    v1 = reg.put(make_patch(tiny_encoder, seed=1))
+    job = queue.submit({"task": "sentiment"}, {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')})
+    replica = next(p for p in sentinel_redis.nodes if p != sentinel_redis.primary_port())
+    on_replica = open_registry(f"redis://127.0.0.1:{replica}/0")
+    deadline = time.monotonic() + 10
+    while not on_replica.tasks():  # asynchronous replication: wait until the replica holds v1
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    old = sentinel_redis.kill_primary()
+    with pytest.raises(RegistryUnavailableError, match="unreachable"):
+        reg.put(make_patch(tiny_encoder, seed=2))  # no primary yet: a clear error, not a hang
+    new = sentinel_redis.wait_for_failover(old)
+    assert new == replica
+    v2, took = _retry(lambda: reg.put(make_patch(tiny_encoder, seed=2)))
+    assert v2.version == 2 and took < 5
+    assert [v.version for v in reg.versions("sentiment")] == [1, 2] and reg.get("sentiment", 1)[0] == v1
+    assert queue.get(job.id).status == "queued"
+    assert queue.submit({"task": "other"}, {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}).status == "queued"
+
+    sentinel_redis.restart_as_replica(old)  # the old primary returns as a replica; the next failover goes back
+    deadline = time.monotonic() + 60  # Sentinel learns of replicas from the primary's INFO, every 10 s
+    while old not in sentinel_redis.replica_ports():
+        assert time.monotonic() < deadline, sentinel_redis._ask("SENTINEL", "REPLICAS", sentinel_redis.SERVICE)
+        time.sleep(0.1)
+    sentinel_redis.kill_primary()
+    assert sentinel_redis.wait_for_failover(new) == old
+    v3, _ = _retry(lambda: reg.put(make_patch(tiny_encoder, seed=3)))
+    assert v3.version == 3
+
+
+def test_a_server_follows_a_failover_without_a_restart(tmp_path, sentinel_redis, tiny_bert_dir, tiny_encoder):
+    """Predictions of a resident task never fail while the primary is gone; a registration then answers 503 with
+    Retry-After (or 201), and once Sentinel has promoted the replica the same server registers and serves v2."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ["serve", "--port", str(port), "--model", str(tiny_bert_dir), "--device", "cpu", "--slots", "8"]
+    env = {"PATCHSERVE_REGISTRY": sentinel_redis.url}
+
+    def upload(seed: int) -> httpx.Response:
+        data = make_patch(tiny_encoder, seed=seed).data
+        return httpx.post(f"{base}/tasks", files={"patch": ("p.safetensors", data)}, timeout=30)
+
+    with patchserve_process(args, env, tmp_path / "server.log") as proc:
+        wait_ready(base, proc=proc)
+        assert upload(1).status_code == 201
+        ask = {"inputs": ["a good film"]}
+        assert httpx.post(f"{base}/tasks/sentiment/predict", json=ask, timeout=30).json()["version"] == 1
+        time.sleep(0.5)  # replicated
+        failed, answered, stop = [], [0], threading.Event()
+
+        def predict_all_along() -> None:
+            with httpx.Client(timeout=30) as client:
+                while not stop.is_set():
+                    r = client.post(f"{base}/tasks/sentiment/predict", json=ask)
+                    if r.status_code != 200:
+                        failed.append(r.status_code)
+                    answered[0] += 1
+
+        thread = threading.Thread(target=predict_all_along)
+        thread.start()
+        try:
+            old = sentinel_redis.kill_primary()
+            during = upload(2)
+            assert during.status_code in (201, 503), during.text
+            if during.status_code == 503:
+                assert "Retry-After" in during.headers and "unreachable" in during.json()["detail"]
+            sentinel_redis.wait_for_failover(old)
+            deadline = time.monotonic() + 10
+            while (after := upload(3)).status_code != 201:
+                assert after.status_code == 503 and time.monotonic() < deadline, after.text
+                time.sleep(0.2)
+            version = after.json()["version"]
+            deadline = time.monotonic() + 10
+            while httpx.post(f"{base}/tasks/sentiment/predict", json=ask, timeout=30).json()["version"] != version:
+                assert time.monotonic() < deadline, "the server did not hear of the version registered after"
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+        assert failed == [] and answered[0] > 10
+
+
+def test_with_min_replicas_1_no_acknowledged_write_is_lost_over_failovers(tmp_path, tiny_encoder):
+    """Registrations and job submissions in a loop while the primary is killed -9 three times (two replicas, so one
+    is left to confirm writes after each failover): every version answered and every job answered is there after,
+    with the patch it was answered for."""
+    deployment = SentinelRedis(tmp_path / "redis", replicas=2)
+    try:
+        reg = open_registry(deployment.url, min_replicas=1)
+        queue = JobQueue(deployment.url, min_replicas=1)
+        patches = [make_patch(tiny_encoder, seed=s) for s in range(1, 8)]
+        acked: list[tuple[int, str]] = []
+        jobs: list[str] = []
+        refused, stop = [0], threading.Event()
+        data = {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}
+
+        def write_all_along() -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    info = reg.put(patches[i % len(patches)])
+                    acked.append((info.version, info.patch_id))
+                    jobs.append(queue.submit({"task": "sentiment"}, data).id)
+                except RegistryUnavailableError:
+                    refused[0] += 1
+                    time.sleep(0.05)
+                i += 1
+
+        thread = threading.Thread(target=write_all_along)
+        thread.start()
+        try:
+            for _ in range(3):
+                time.sleep(0.5)
+                old = deployment.kill_primary()
+                deployment.wait_for_failover(old)
+                deployment.restart_as_replica(old)
+                deadline = time.monotonic() + 60
+                while len(deployment.replica_ports()) < 2:
+                    assert time.monotonic() < deadline, "the replicas did not come back"
+                    time.sleep(0.1)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+        stored = {v.version: v.patch_id for v in reg.versions("sentiment")}
+        lost = [(v, p) for v, p in acked if stored.get(v) != p]
+        assert lost == [] and len(acked) > 10, (len(acked), lost)
+        missing = []
+        for job_id in jobs:
+            try:
+                queue.get(job_id)
+            except JobNotFoundError:
+                missing.append(job_id)
+        assert missing == [] and len(jobs) > 10
+        assert refused[0] > 0  # the failovers were felt: writes were refused, not silently taken
+    finally:
+        deployment.stop()
+
+
+def test_a_write_no_replica_confirms_answers_503_saying_it_may_have_happened(redis_url, tiny_bert_dir, tiny_encoder):
+    """--redis-min-replicas 1 on a Redis without replicas: the registration is made on the primary, but the server
+    answers 503 (Retry-After) saying so, and the client can see it is there; a job submission likewise."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import ServerSettings
+
+    url = f"{redis_url}?prefix=minrep-{time.monotonic_ns()}:"
+    reg = open_registry(url, min_replicas=1)
+    with pytest.raises(ReplicationError, match=r"made on the primary, but 0 of the 1 replica\(s\)"):
+        reg.put(make_patch(tiny_encoder, seed=1))
+    assert [v.version for v in open_registry(url).versions("sentiment")] == [1]  # made, not confirmed
+    settings = ServerSettings(registry=url, model=str(tiny_bert_dir), device="cpu", slots=8, redis_min_replicas=1)
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/tasks", files={"patch": ("p.safetensors", make_patch(tiny_encoder, seed=2).data)})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert "Check whether it is there before retrying" in r.json()["detail"]
+        assert client.get("/tasks/sentiment").json()["current"] == 2
+        r = client.post(
+            "/jobs",
+            files={"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n')},
+            data={"config": '{"task": "t"}'},
+        )
+        assert r.status_code == 503 and "0 of the 1 replica(s)" in r.json()["detail"], r.text
+    with pytest.raises(RegistryError, match="needs a Redis registry"):
+        open_registry(f"disk://{tiny_bert_dir}/reg", min_replicas=1)
