@@ -11,11 +11,14 @@ load). Meanwhile:
 
 - predictions: 4 clients ask the server back to back for a resident task (failed = any answer but 200);
 - registrations over HTTP, one a second (201, or 503 while writes wait for a primary);
-- a writer registering straight into the registry as fast as it can, with the same setting: the acknowledged
-  writes whose loss we count (a registration a second seldom falls in the instant before a kill).
+- a writer registering straight into the registry with the same setting, as fast as it can from 0.5 s before each
+  kill until it gets through to the new primary, 10 a second otherwise: the acknowledged writes whose loss we count
+  (a registration a second seldom falls in the instant before a kill).
 
 Then, N times: let it run 3 s, kill -9 whichever node is primary, wait until the Sentinels promote a replica
-(Sentinel's down-after-milliseconds is 1 s here), and bring the killed node back as a replica. Reported per
+(Sentinel's down-after-milliseconds is 1 s here), bring the killed node back as a replica, and wait until every
+Sentinel sees both replicas in sync again (a Sentinel learns of a returning replica within 10 s; one that has not
+does not repoint it in the next failover). Reported per
 failover: Sentinel's own failover time (the kill -> the Sentinels name another primary) and the write gap (the
 longest pause between acknowledged writes, from the last one before the kill to the next kill). At the end every
 acknowledged version (HTTP 201 or the writer's) is looked up: lost = not there with the patch it was acknowledged
@@ -45,6 +48,9 @@ import httpx
 from bench.common import FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot
 
 SETTLE_S = 3.0
+BURST_S = 0.5  # the writer runs flat out from this long before each kill to this long after it gets through
+PACED_S = 0.1  # and writes every 0.1 s otherwise (flat out all the time, the registry grows by GBs and every
+# restarted node's full resync takes longer than the failover itself)
 
 
 def _patches(model: str, task: str, n: int) -> list[bytes]:
@@ -53,6 +59,20 @@ def _patches(model: str, task: str, n: int) -> list[bytes]:
 
     encoder = load_encoder(model)
     return [random_patch(encoder, task, seed=s).data for s in range(1, n + 1)]
+
+
+def _syncs(port: int) -> tuple[int, int]:
+    """(full, partial) resyncs the node on ``port`` has served as a primary since it started."""
+    import redis
+
+    client = redis.Redis(port=port, socket_timeout=2, decode_responses=True)
+    try:
+        stats = client.info("stats")
+    except redis.RedisError:
+        return (0, 0)
+    finally:
+        client.close()
+    return int(stats.get("sync_full", 0)), int(stats.get("sync_partial_ok", 0))
 
 
 def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tuple[list[dict], dict[str, Any]]:
@@ -67,6 +87,7 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
     direct_patches = [Patch.from_bytes(d) for d in _patches(model, "direct", 97)]
     http_patches = _patches(model, "http", 31)
     stop = threading.Event()
+    burst = threading.Event()  # set from just before a kill until writes go through again: the writer at full speed
     predicts: list[tuple[float, int]] = []
     http_writes: list[tuple[float, int, dict[str, Any]]] = []
     direct_ok: list[tuple[float, int, str]] = []  # (when it was acknowledged, version, patch id)
@@ -105,6 +126,8 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
                     try:
                         info = writer.put(direct_patches[i % len(direct_patches)])
                         direct_ok.append((time.monotonic(), info.version, info.patch_id))
+                        if not burst.is_set():  # paced between kills, so the registry stays small
+                            stop.wait(PACED_S)
                     except RegistryUnavailableError:
                         time.sleep(0.02)
                     i += 1
@@ -113,19 +136,53 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
             threads += [threading.Thread(target=http_register_loop), threading.Thread(target=direct_loop)]
             for t in threads:
                 t.start()
-            events = []
+            events: list[dict[str, Any]] = []
             try:
                 for n in range(failovers):
-                    time.sleep(SETTLE_S)
+                    deadline = time.monotonic() + 90
+                    while not deployment.healthy(2) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    time.sleep(SETTLE_S - BURST_S)
+                    burst.set()
+                    time.sleep(BURST_S)
                     t_kill = time.monotonic()
                     old = deployment.kill_primary()
-                    deployment.wait_for_failover(old, timeout=60)
+                    new = deployment.wait_for_failover(old, timeout=60)
                     failover_s = time.monotonic() - t_kill
-                    deployment.restart_as_replica(old)
+                    syncs_before = _syncs(new)
+                    while not stop.is_set() and not (direct_ok and direct_ok[-1][0] > t_kill + failover_s):
+                        time.sleep(0.05)  # until the writer gets through to the new primary
+                    time.sleep(BURST_S)
+                    burst.clear()
+                    # the killed node comes back once the Sentinels have repointed the surviving replica (as an
+                    # operator brings a node back, not in the middle of the failover it caused)
                     deadline = time.monotonic() + 90
-                    while len(deployment.replica_ports()) < 2 and time.monotonic() < deadline:
+                    while not deployment.healthy(1) and time.monotonic() < deadline:
                         time.sleep(0.1)
-                    events.append({"n": n, "t_kill": t_kill, "failover_s": round(failover_s, 2)})
+                    syncs_after = _syncs(new)
+                    resync = (
+                        "full"
+                        if syncs_after[0] > syncs_before[0]
+                        else "partial"
+                        if syncs_after[1] > syncs_before[1]
+                        else "none seen"
+                    )
+                    deployment.restart_as_replica(old)
+                    t_back = time.monotonic()
+                    # the next kill only once every Sentinel knows both replicas again (patchserve.local's
+                    # SentinelRedis.healthy says why: up to 10 s after a node comes back)
+                    while not deployment.healthy(2) and time.monotonic() < t_back + 90:
+                        time.sleep(0.1)
+                    healthy_s = time.monotonic() - t_back
+                    events.append(
+                        {
+                            "n": n,
+                            "t_kill": t_kill,
+                            "failover_s": round(failover_s, 2),
+                            "healthy_s": round(healthy_s, 1),
+                            "resync": resync,
+                        }
+                    )
                     print(
                         f"min-replicas {min_replicas}: failover {n + 1}/{failovers} in {failover_s:.1f} s",
                         file=sys.stderr,
@@ -141,6 +198,12 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
     finally:
         deployment.stop()
     acked_times = sorted(t for t, _, _ in direct_ok)
+    lost_times = sorted(t for t, v, p in direct_ok if stored_direct.get(v) != p)
+    near: list[list[float]] = [[] for _ in events]
+    for lost_at in lost_times:  # each lost write to the kill nearest it in time
+        if events:
+            j = min(range(len(events)), key=lambda i: abs(lost_at - events[i]["t_kill"]))
+            near[j].append(lost_at - events[j]["t_kill"])
     lines = []
     for j, e in enumerate(events):
         # the longest pause between two acknowledged writes from the last one before the kill to the first one
@@ -156,12 +219,18 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
                 "min_replicas": min_replicas,
                 "n": e["n"],
                 "failover_s": e["failover_s"],
+                "healthy_again_s": e["healthy_s"],
+                "survivor_resync": e["resync"],
                 "write_gap_s": round(gap, 2),
                 "gap_over_failover_s": round(gap - e["failover_s"], 2),
                 "http_503": http_503,
+                # acknowledged writes lost nearest this kill, and when the first and last of them were acknowledged,
+                # from the kill (negative: before it; a write just before a kill vs one after the failover)
+                "lost": len(near[j]),
+                "lost_acked_s": [round(near[j][0], 3), round(near[j][-1], 3)] if near[j] else [],
             }
         )
-    lost_direct = sum(1 for _, v, p in direct_ok if stored_direct.get(v) != p)
+    lost_direct = len(lost_times)
     acked_http = [(b["version"], b["patch_id"]) for _, s, b in http_writes if s == 201]
     lost_http = sum(1 for v, p in acked_http if stored_http.get(v) != p)
     gaps = [x["write_gap_s"] for x in lines]
@@ -181,8 +250,34 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
         "write_gap_s_p50": statistics.median(gaps),
         "write_gap_s_max": max(gaps),
         "gap_over_failover_s_max": max(x["gap_over_failover_s"] for x in lines),
+        # the surviving replica's resync with the new primary: partial (PSYNC) or full (a new copy of the data set)
+        "survivor_full_resyncs": sum(1 for x in lines if x["survivor_resync"] == "full"),
     }
     return lines, summary
+
+
+def _resyncs(setting: dict[str, Any], lines: list[dict[str, Any]]) -> str:
+    if "survivor_full_resyncs" not in setting:
+        return "-"
+    full = [
+        x["write_gap_s"]
+        for x in lines
+        if x["kind"] == "failover" and x["min_replicas"] == setting["min_replicas"] and x["survivor_resync"] == "full"
+    ]
+    return f"{len(full)}" + (f" ({', '.join(f'{g:.1f}' for g in full)} s)" if full else "")
+
+
+def _losses(lines: list[dict[str, Any]]) -> str:
+    """Where the lost writes were, per failover: how many, and when they were acknowledged relative to the kill."""
+    lossy = [x for x in lines if x["kind"] == "failover" and x.get("lost")]
+    if not lossy:
+        return ""
+    items = [
+        f"--redis-min-replicas {x['min_replicas']}, failover {x['n'] + 1}: {x['lost']} lost, acknowledged "
+        f"{x['lost_acked_s'][0]:+.3f} to {x['lost_acked_s'][1]:+.3f} s from the kill"
+        for x in lossy
+    ]
+    return "\nLost acknowledged writes, by the kill nearest them:\n\n" + "\n".join(f"- {i}" for i in items) + "\n"
 
 
 def render(jsonl: Path) -> None:
@@ -192,7 +287,7 @@ def render(jsonl: Path) -> None:
         f"| {s['min_replicas']} | {s['failovers']} | {s['failover_s_p50']:.1f} | {s['write_gap_s_p50']:.1f} | "
         f"{s['write_gap_s_max']:.1f} | {s['gap_over_failover_s_max']:.1f} | **{s['failed_predicts']}** of "
         f"{s['predicts']:,} | {s['http_201']} / {s['http_503']} / {s['http_other']} | "
-        f"**{s['lost_acked_writes']}** of {s['acked_writes']:,} |"
+        f"**{s['lost_acked_writes']}** of {s['acked_writes']:,} | {_resyncs(s, lines)} |"
         for s in settings
     )
     (OUT / "failover.md").write_text(
@@ -200,17 +295,24 @@ def render(jsonl: Path) -> None:
         f"Written by `{meta['command']}` on {meta['machine']}, {meta['date']} (commit {meta['commit']}). "
         "Per setting: a primary, two replicas and three Sentinels (down-after-milliseconds 1,000) as local "
         "processes, a `patchserve serve` on the redis+sentinel:// URL, 4 clients predicting back to back, one "
-        "registration a second over HTTP and a writer registering as fast as it can. Each failover: kill -9 the "
+        "registration a second over HTTP and a writer registering straight into the registry (flat out from 0.5 s "
+        "before each kill until it gets through to the new primary, 10 a second otherwise). Each failover: kill -9 the "
         "primary after 3 s of load, wait for the Sentinels to promote a replica, bring the killed node back as a "
-        "replica.\n\n"
+        "replica, and wait until every Sentinel sees both replicas in sync (the next failure meets a healthy "
+        "deployment).\n\n"
         "failover = the kill -> the Sentinels name another primary. write gap = the longest pause between "
         "acknowledged writes, from the last one before the kill to the next kill. lost = acknowledged (201, or the "
         "writer's put returned) but not in the registry afterwards with that patch.\n\n"
         "Goals (issue 27): 0 failed predictions; writes unavailable for <= the failover time + 2 s; with "
         "--redis-min-replicas 1, 0 acknowledged writes lost over at least 20 failovers.\n\n"
         "| min replicas | failovers | failover s (p50) | write gap s (p50) | max | gap - failover s (max) | failed "
-        "predicts | HTTP 201 / 503 / other | lost acknowledged writes |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|\n" + rows + "\n"
+        "predicts | HTTP 201 / 503 / other | lost acknowledged writes | survivor's resync: full (their write gaps) "
+        "|\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n" + rows + "\n\n"
+        "A failover's surviving replica resyncs with the new primary: partially (PSYNC: it continues from its "
+        "offset) or, where it cannot, fully (the new primary sends a new copy of the data set). With "
+        "--redis-min-replicas 1, writes wait for that replica to be attached to the new primary again.\n"
+        + _losses(lines)
     )
     plt = pyplot()
     if plt is None:

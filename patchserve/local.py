@@ -139,7 +139,7 @@ class SentinelRedis:
             raise
         ports = self.sentinel_ports
         self.url = f"redis+sentinel://{','.join(f'127.0.0.1:{p}' for p in ports)}/{self.SERVICE}/0"
-        self._wait(lambda: self.primary_port() == first and self._sentinels_see_replicas(replicas), "the Sentinels")
+        self._wait(lambda: self.primary_port() == first and self.healthy(replicas), "the Sentinels", 60)
 
     def _start_node(self, port: int, replica_of: int | None = None) -> tuple[int, subprocess.Popen]:
         folder = self.workdir / f"redis-{port}"
@@ -196,8 +196,33 @@ class SentinelRedis:
             and r.get("master-link-status") == "ok"
         }
 
-    def _sentinels_see_replicas(self, n: int) -> bool:
-        return len(self.replica_ports()) >= n
+    def healthy(self, replicas: int) -> bool:
+        """Every Sentinel names the same primary and sees ``replicas`` replicas up and in sync with it. A Sentinel
+        learns of a replica from the primary's INFO, every 10 s: one that does not know a replica yet does not
+        reconfigure it when it leads the next failover, and that replica stays behind the dead primary until the
+        Sentinels find it (about 10 s). So a deployment is ready for its next failure only once all agree."""
+        import redis
+
+        primaries = set()
+        for port in self.sentinel_ports:
+            client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            try:
+                found = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+                listed = client.execute_command("SENTINEL", "REPLICAS", self.SERVICE)
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+            primaries.add(int(found[1]) if found else None)
+            ok = [
+                r
+                for r in listed or []
+                if not {"s_down", "o_down", "disconnected"} & set(str(r.get("flags", "")).split(","))
+                and r.get("master-link-status") == "ok"
+            ]
+            if len(ok) < replicas:
+                return False
+        return len(primaries) == 1 and None not in primaries
 
     def kill_primary(self) -> int:
         """kill -9 the primary; returns its port."""

@@ -224,3 +224,55 @@ def test_a_write_no_replica_confirms_answers_503_saying_it_may_have_happened(red
         assert r.status_code == 503 and "0 of the 1 replica(s)" in r.json()["detail"], r.text
     with pytest.raises(RegistryError, match="needs a Redis registry"):
         open_registry(f"disk://{tiny_bert_dir}/reg", min_replicas=1)
+
+
+def test_a_write_and_its_wait_never_straddle_two_connections(tmp_path):
+    """Had the primary died between a write and its WAIT, a WAIT sent again on a new connection -- to whatever
+    answers at that address now, with a replica of its own -- would find no write of its own to wait for and
+    answer at once with that replica, acknowledging a write no replica holds. It must fail instead."""
+    import subprocess
+
+    import redis
+
+    from patches.store.redis import DurableWrites
+    from patchserve.local import _redis_server
+    from tests.helpers import start_redis
+
+    primary, url = start_redis(tmp_path)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    replica, _ = start_redis(tmp_path, "--replicaof", "127.0.0.1", str(port))
+    successor: list[subprocess.Popen] = []
+    durable = DurableWrites(url, 1, "test registry")
+
+    def write_then_lose_the_primary(client: redis.Redis) -> str:
+        client.set("acknowledged?", "only if a replica has it")
+        primary.kill()
+        primary.wait()
+        # an empty redis-server on the same port, which the replica follows at once
+        successor.append(
+            subprocess.Popen(
+                [_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        probe = redis.Redis(port=port, socket_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if probe.info("replication").get("slave0", {}).get("state") == "online":
+                    break
+            except redis.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the replica did not follow the new server"
+            time.sleep(0.1)
+        return "written"
+
+    try:
+        with pytest.raises(ReplicationError, match="may or may not"):
+            durable.run(redis.Redis.from_url(url), write_then_lose_the_primary)
+    finally:
+        durable.close()
+        for proc in [primary, replica, *successor]:
+            proc.kill()
+            proc.wait()

@@ -17,6 +17,8 @@ from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from patches.errors import (
@@ -74,18 +76,22 @@ def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str |
     return sentinels, path[0], int(path[1]) if len(path) == 2 else 0, password, sentinel_password
 
 
-def connect_redis(conn_url: str, *, max_connections: int | None = None) -> redis.Redis:
+def connect_redis(conn_url: str, *, max_connections: int | None = None, retry: bool = True) -> redis.Redis:
     """A client for ``conn_url`` (no ``prefix``): ``redis://``, ``rediss://`` and ``unix://`` directly;
     ``redis+sentinel://`` to whichever node the Sentinels name primary, asking them again whenever it fails or
-    turns out to be a replica, so a failover is followed without a restart."""
+    turns out to be a replica, so a failover is followed without a restart. ``retry=False``: a command that fails
+    on its connection raises at once instead of being sent again on a new one (redis-py's default retries)."""
+    options: dict[str, Any] = dict(_TIMEOUTS)
+    if not retry:
+        options["retry"] = Retry(NoBackoff(), 0)
     if not conn_url.startswith(SENTINEL_SCHEME + "://"):
-        return redis.Redis.from_url(conn_url, max_connections=max_connections, **_TIMEOUTS)
+        return redis.Redis.from_url(conn_url, max_connections=max_connections, **options)
     sentinels, service, db, password, sentinel_password = parse_sentinel_url(conn_url)
     sentinel = Sentinel(
         sentinels,
         sentinel_kwargs={"socket_connect_timeout": 2.0, "socket_timeout": 2.0, "password": sentinel_password},
         password=password,
-        **_TIMEOUTS,
+        **options,
     )
     return sentinel.master_for(service, db=db, max_connections=max_connections)
 
@@ -99,13 +105,21 @@ class DurableWrites:
     Redis replicates asynchronously, and its WAIT command blocks until the replicas hold every earlier write *of the
     connection it runs on*. So with ``min_replicas`` > 0 every write goes through one dedicated connection (one
     write at a time per process: registrations and job submissions are rare), followed there by WAIT. With 0,
-    writes run on the caller's client as before."""
+    writes run on the caller's client as before.
+
+    The write and its WAIT must run on the same connection: had the primary died between them, a WAIT sent on a new
+    connection -- to the new primary, or to whatever answers at that address now -- would find no write of its own to
+    wait for and answer at once with every replica, acknowledging a write that may be lost. redis-py replaces a
+    broken connection silently (when it takes one from its pool, and when it retries a command), so each write is
+    bracketed by the connection's identity, the server's run id and the connection's client id: if they differ
+    after the WAIT, the connection was replaced, and the answer is a ReplicationError (the write may or may not
+    have been made), never an acknowledgement. The connection does not retry commands either."""
 
     def __init__(self, conn_url: str, min_replicas: int, what: str, wait_s: float = REPLICA_WAIT_S) -> None:
         if min_replicas < 0:
             raise RegistryError(f"--redis-min-replicas must be 0 or more, got {min_replicas}")
         self.min_replicas, self.what, self.wait_s = min_replicas, what, wait_s
-        self._client = connect_redis(conn_url, max_connections=1) if min_replicas else None
+        self._client = connect_redis(conn_url, max_connections=1, retry=False) if min_replicas else None
         self._lock = threading.Lock()
 
     def run(self, client: redis.Redis, write: Callable[[redis.Redis], T]) -> T:
@@ -114,15 +128,26 @@ class DurableWrites:
         if self._client is None:
             return write(client)
         with self._lock:
+            try:  # the one step that may reconnect: a connection left dead by a failover is replaced here
+                before = self._identity()
+            except (redis.ConnectionError, redis.TimeoutError):
+                before = call_redis(self._identity, self.what)
             value = write(self._client)
             try:
                 acked = int(self._client.wait(self.min_replicas, int(self.wait_s * 1000)))
+                after = self._identity()
             except redis.RedisError as exc:
                 raise ReplicationError(
                     f"{self.what}: the write was sent to the primary, then the connection failed ({exc}) before "
                     f"{self.min_replicas} replica(s) confirmed it: it may or may not have been made, and may not "
                     "survive a failover. Check whether it is there before retrying."
                 ) from exc
+        if after != before:
+            raise ReplicationError(
+                f"{self.what}: the connection to the primary was replaced while the write waited for "
+                f"{self.min_replicas} replica(s) (a failover?): it may or may not have been made, and may not survive "
+                "it. Check whether it is there before retrying."
+            )
         if acked < self.min_replicas:
             raise ReplicationError(
                 f"{self.what}: the write was made on the primary, but {acked} of the {self.min_replicas} replica(s) "
@@ -130,6 +155,11 @@ class DurableWrites:
                 "primary fails now. Check whether it is there before retrying."
             )
         return value
+
+    def _identity(self) -> tuple[str, int]:
+        """(the server's run id, this connection's client id): equal twice only on one unbroken connection."""
+        assert self._client is not None
+        return str(self._client.info("server")["run_id"]), int(self._client.client_id())
 
     def close(self) -> None:
         if self._client is not None:
