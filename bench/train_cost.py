@@ -1,13 +1,20 @@
-"""What a BitFit update costs against a full fine-tuning update of the same encoder on the same rows.
+"""What a BitFit update and a default BitFit run cost against full fine-tuning of the same encoder on the same rows.
 
-    python bench/train_cost.py --quick     # 1 repeat; last line: JSON
+    python bench/train_cost.py --quick     # 1 repeat, runs on 1,000 rows; last line: JSON
     python bench/train_cost.py             # 3 repeats -> docs/benchmarks/train_cost.{jsonl,md,png}
+    python bench/train_cost.py --no-runs   # the updates only
 
-Each mode runs in its own process (so its peak memory is its own), the modes alternating, ``--repeats`` times:
-the trainer's own step (``trainer.train``: collate, forward, loss, backward, gradient clipping, AdamW) over the
-same batches of Rotten Tomatoes rows. Per run: the median seconds per update, and the memory the updates add
-on top of the loaded model (peak resident set size during the updates minus before them on the CPU; peak
-allocated bytes on CUDA). The ratios are BitFit / full: below 1 means BitFit is cheaper.
+Updates. Each mode runs in its own process (so its peak memory is its own), the modes alternating, ``--repeats``
+times, over the same batches of Rotten Tomatoes rows: ``packed`` (BitFit on the packed model, as the trainer runs
+it: patches/packed_model.py), ``padded`` (BitFit on the plain padded model, as it ran before) and ``full`` (every
+weight). Each is the trainer's own step: collate, forward, loss, backward, gradient clipping, AdamW. Per run: the
+median seconds per update, and the memory the updates add on top of the loaded model (peak resident set size
+during the updates minus before them on the CPU; peak allocated bytes on CUDA). ``update_ratio`` is BitFit
+(packed) / full and ``speedup_packed`` padded / packed.
+
+Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
+of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
+``ratio_run`` is BitFit / full: at most 1 means a patch costs no more than a full fine-tune.
 """
 
 from __future__ import annotations
@@ -30,14 +37,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from patches.bitfit import target_names
 from patches.data import load_dataset
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from patches.model import TaskModel
-from trainer.train import collate, featurize, loss_fn, trainable_parameters
+from patches.packed_model import PackedTaskModel
+from trainer.train import collate, featurize, loss_fn, train_patch, trainable_parameters
 
 OUT = ROOT / "docs" / "benchmarks"
-MODES = ("bitfit", "full")
+MODES = ("packed", "padded", "full")
+RUN_MODES = ("run-bitfit", "run-padded", "run-full")
+DATA = ROOT.parent / "shared" / "data" / "rotten_tomatoes"
 
 
 def _rss_bytes() -> int:
@@ -75,9 +86,20 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     labels = sorted({str(e.label) for e in ds.examples})
     feats = featurize(encoder.tokenizer, ds, labels, 128)
     config = TrainConfig(task="cost", full=args.child == "full")
-    model = TaskModel(encoder.model, torch.nn.Linear(encoder.hidden_size, len(labels)), ds.kind, "mean").to(device)
-    encoder_params, head_params = trainable_parameters(model, config)
-    params = encoder_params + head_params
+    head = torch.nn.Linear(encoder.hidden_size, len(labels))
+    model: TaskModel | PackedTaskModel
+    if args.child == "packed":
+        base: Any = encoder.model.to(device)
+        dropout = float(base.config.hidden_dropout_prob), float(base.config.attention_probs_dropout_prob)
+        trained = target_names(base, config.bias_subset)
+        model = PackedTaskModel(
+            base, [head], ds.kind, "mean", trained, hidden_dropout=dropout[0], attention_dropout=dropout[1]
+        )
+        params = [p for group in model.run_parameters(0) for p in group]
+    else:
+        model = TaskModel(encoder.model, head, ds.kind, "mean").to(device)
+        encoder_params, head_params = trainable_parameters(model, config)
+        params = encoder_params + head_params
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     model.train()
     n = len(feats)
@@ -116,37 +138,75 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One default training run of a mode, in this process: wall time, steps, dev accuracy."""
+    from dataclasses import replace
+
+    encoder = load_encoder(args.model)
+    train_all = load_dataset(args.data)
+    dev_all = load_dataset(args.dev, kind=train_all.kind, labels=train_all.labels or None)
+    train = replace(train_all, examples=train_all.examples[: args.run_rows])
+    dev = replace(dev_all, examples=dev_all.examples[: args.dev_rows])
+    mode = args.child.removeprefix("run-")
+    config = TrainConfig(task="cost", full=mode == "full", device=args.device, max_steps=args.run_max_steps)
+    t0 = time.perf_counter()
+    result = train_patch(encoder, train, dev, config, packed=False if mode == "padded" else None)
+    seconds = time.perf_counter() - t0
+    report = result.report
+    return {
+        "mode": args.child,
+        "seconds": seconds,
+        "forward": report["forward"],
+        "steps": report["steps"],
+        "planned_steps": report["planned_steps"],
+        "runs": report["selection"]["tried"],
+        "dev_accuracy": report["dev"]["accuracy"],
+    }
+
+
+def _spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--device", args.device]
+    cmd += ["--data", args.data, "--dev", args.dev, "--batch", str(args.batch), "--steps", str(args.steps)]
+    cmd += ["--warmup", str(args.warmup), "--run-rows", str(args.run_rows), "--dev-rows", str(args.dev_rows)]
+    if args.run_max_steps:
+        cmd += ["--run-max-steps", str(args.run_max_steps)]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="encoder: 'default', a local HF folder or a hub id")
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--data",
-        default=str(ROOT.parent / "shared" / "data" / "rotten_tomatoes" / "train.jsonl"),
+        default=str(DATA / "train.jsonl"),
         help="a labelled JSONL file (default: the shared Rotten Tomatoes training set)",
     )
+    ap.add_argument("--dev", default=str(DATA / "dev.jsonl"), help="the runs' dev set (default: Rotten Tomatoes')")
+    ap.add_argument("--run-rows", type=int, default=1000, help="training rows of each default run (first N)")
+    ap.add_argument("--dev-rows", type=int, default=300, help="dev rows of each default run (first N)")
+    ap.add_argument("--no-runs", action="store_true", help="time the updates only, not the default runs")
+    ap.add_argument("--run-max-steps", type=int, help="cap each default run's updates (default: no cap)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="timed updates per run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (alternating)")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 10 updates; prints one JSON line")
     ap.add_argument("--out", type=Path, default=OUT / "train_cost.jsonl")
-    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=MODES + RUN_MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args)))
+        print(json.dumps(run_child(args) if args.child in RUN_MODES else child(args)))
         return
     if args.quick:
         args.repeats, args.steps = 1, 10
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for r in range(args.repeats):
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
-            cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--device", args.device]
-            cmd += ["--data", args.data, "--batch", str(args.batch), "--steps", str(args.steps)]
-            cmd += ["--warmup", str(args.warmup)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+            runs[mode].append(_spawn(args, mode))
     med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in ("s_per_update", "memory_bytes")} for m in MODES}
+    trained = {} if args.no_runs else {m.removeprefix("run-"): _spawn(args, m) for m in RUN_MODES}
     device = (
         torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     )
@@ -157,15 +217,29 @@ def main() -> None:
         "batch": args.batch,
         "steps": args.steps,
         "repeats": args.repeats,
-        "trainable_bitfit": runs["bitfit"][0]["trainable_params"],
+        "trainable_bitfit": runs["packed"][0]["trainable_params"],
         "trainable_full": runs["full"][0]["trainable_params"],
-        "ms_per_update_bitfit": round(med["bitfit"]["s_per_update"] * 1e3, 1),
+        "ms_update_packed": round(med["packed"]["s_per_update"] * 1e3, 1),
+        "ms_update_padded": round(med["padded"]["s_per_update"] * 1e3, 1),
         "ms_per_update_full": round(med["full"]["s_per_update"] * 1e3, 1),
-        "update_ratio": round(med["bitfit"]["s_per_update"] / med["full"]["s_per_update"], 3),
-        "memory_mb_bitfit": round(med["bitfit"]["memory_bytes"] / 2**20, 1),
+        "speedup_packed": round(med["padded"]["s_per_update"] / med["packed"]["s_per_update"], 2),
+        "update_ratio": round(med["packed"]["s_per_update"] / med["full"]["s_per_update"], 3),
+        "update_ratio_padded": round(med["padded"]["s_per_update"] / med["full"]["s_per_update"], 3),
+        "memory_mb_packed": round(med["packed"]["memory_bytes"] / 2**20, 1),
+        "memory_mb_padded": round(med["padded"]["memory_bytes"] / 2**20, 1),
         "memory_mb_full": round(med["full"]["memory_bytes"] / 2**20, 1),
-        "memory_ratio": round(med["bitfit"]["memory_bytes"] / max(med["full"]["memory_bytes"], 1), 3),
+        "memory_ratio": round(med["packed"]["memory_bytes"] / max(med["full"]["memory_bytes"], 1), 3),
     }
+    if trained:
+        result |= {"run_rows": args.run_rows, "dev_rows": args.dev_rows}
+        for mode, run in trained.items():
+            result |= {
+                f"run_s_{mode}": round(run["seconds"], 1),
+                f"run_steps_{mode}": run["steps"],
+                f"run_dev_accuracy_{mode}": round(run["dev_accuracy"], 4),
+            }
+        result["ratio_run"] = round(trained["bitfit"]["seconds"] / trained["full"]["seconds"], 3)
+        result["run_speedup_packed"] = round(trained["padded"]["seconds"] / trained["bitfit"]["seconds"], 2)
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
@@ -175,45 +249,71 @@ def main() -> None:
 
 
 WHY = [
-    "## Why BitFit stays above 0.6x here",
+    "## Where a BitFit update's time goes",
     "",
-    "Where an update's time goes (torch profiler, default encoder, batch 32, 2 CPU cores, 2026-11-23; BitFit 537 ms, "
-    "full 946 ms in that run): the forward's matrix products (~127 ms in both); the backward's products (BitFit "
-    "~127 ms: input gradients only; full ~257 ms: input and weight gradients); dropout masks (`bernoulli_`, ~113 ms "
-    "in both: a fifth of a BitFit update); GELU, softmax, LayerNorm and copies (~90 ms in both); and, in full "
-    "fine-tuning only, AdamW over 22.7 M parameters (`sqrt`, `div`, `lerp`, `fill_`: ~225 ms).",
+    "Padded (the plain model, as the trainer ran before issue 25; torch profiler, default encoder, batch 32, 2 CPU "
+    "cores, 2026-11-23; BitFit 537 ms, full 946 ms in that run): the forward's matrix products (~127 ms in both); "
+    "the backward's products (BitFit ~127 ms: input gradients only; full ~257 ms: input and weight gradients); "
+    "dropout masks (`bernoulli_`, ~113 ms in both); GELU, softmax, LayerNorm and copies (~90 ms in both); and, in "
+    "full fine-tuning only, AdamW over 22.7 M parameters (~225 ms). Autograd already skipped everything a bias-only "
+    "backward can (no weight gradient, no input saved for one), so padded BitFit sat at 0.66-0.73x a full update: "
+    "the elementwise work and two of three products are the same in both.",
     "",
-    "Autograd already skips everything a bias-only backward can: no weight gradient is computed, no input that only "
-    "a weight gradient needs is saved (hence BitFit's 0.68x memory), the frozen embeddings get no gradient, and "
-    "LayerNorm's backward skips its gain. What is left is exact work a bias gradient needs: the forward, and the "
-    "gradient with respect to every layer's input, all the way down (the lowest trainable bias is the embedding "
-    "LayerNorm's). For the matrix products that is 2 of full fine-tuning's 3; the elementwise work is the same in "
-    "both; only the optimizer and the weight gradients are saved. So the ratio sits at 0.66-0.73 (run to run on this "
-    "shared machine), not at 0.6. Making dropout masks or elementwise ops cheaper speeds both modes and moves the "
-    "ratio up, not down; below 2/3 an update must stop being exact (a truncated backward, fewer trained biases).",
+    "Packed (the serving engine's model, `patches/packed_model.py`): no padding token reaches a matrix product, a "
+    "dropout mask or an elementwise op, so every one of those costs shrinks by the share of padding in a batch of "
+    "Rotten Tomatoes rows (batches padded to their longest row are about half padding). Attention alone is still "
+    "padded per row (exactly, with a key mask). The gradients are the padded model's (tests/test_packed_training.py).",
 ]
 
 
 def render(jsonl: Path) -> None:
     rows = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
     lines = [
-        "# Training cost: a BitFit update against a full fine-tuning update",
+        "# Training cost: a BitFit update and a default BitFit run against full fine-tuning",
         "",
         "Written by `python bench/train_cost.py` from `train_cost.jsonl`. Same encoder, same batches of Rotten",
         "Tomatoes rows, the trainer's own step; each mode in its own process, alternating; medians over the runs.",
-        "Memory: what the updates add on top of the loaded model (peak RSS on the CPU, peak allocated on CUDA).",
-        "Goal (issue 15): a BitFit update costs <= 0.6x a full one.",
+        "BitFit packed: the trainer today (issue 25); padded: the plain padded model it ran before (rows written",
+        "before issue 25 have only this one). Memory: what the updates add on top of the loaded model (peak RSS on",
+        "the CPU, peak allocated on CUDA). Goals (issue 25, 2 CPU cores): packed >= 1.8x padded per update, and a",
+        "default BitFit run no longer than a default full fine-tuning run (`ratio_run` <= 1).",
         "",
-        "| device | batch | trainable (BitFit / full) | ms/update BitFit | ms/update full | ratio | MB BitFit "
-        "| MB full | ratio |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "## Updates",
+        "",
+        "| device | batch | trainable (BitFit / full) | ms packed | ms padded | ms full | packed speed-up "
+        "| BitFit / full | MB packed | MB padded | MB full |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        padded = r.get("ms_update_padded", r.get("ms_per_update_bitfit"))
+        mb_padded = r.get("memory_mb_padded", r.get("memory_mb_bitfit"))
+        speedup = f"{r['speedup_packed']:.2f}x" if "speedup_packed" in r else "-"
         lines.append(
             f"| {r['device']} | {r['batch']} | {r['trainable_bitfit']:,} / {r['trainable_full']:,} | "
-            f"{r['ms_per_update_bitfit']} | {r['ms_per_update_full']} | {r['update_ratio']:.2f}x | "
-            f"{r['memory_mb_bitfit']} | {r['memory_mb_full']} | {r['memory_ratio']:.2f}x |"
+            f"{r.get('ms_update_packed', '-')} | {padded} | {r['ms_per_update_full']} | {speedup} | "
+            f"{r['update_ratio']:.2f}x | {r.get('memory_mb_packed', '-')} | {mb_padded} | {r['memory_mb_full']} |"
         )
+    with_runs = [r for r in rows if "ratio_run" in r]
+    if with_runs:
+        lines += [
+            "",
+            "## Default runs",
+            "",
+            "A default `train_patch` of each mode on the first rows of the training set (`--run-rows`, `--dev-rows`):",
+            "wall time in seconds, updates made, dev accuracy.",
+            "",
+            "| device | train / dev rows | BitFit packed | BitFit padded | full | BitFit / full | packed speed-up |",
+            "|---|---|---|---|---|---:|---:|",
+        ]
+        for r in with_runs:
+            cells = [
+                f"{r[f'run_s_{m}']} s, {r[f'run_steps_{m}']} steps, {100 * r[f'run_dev_accuracy_{m}']:.1f}"
+                for m in ("bitfit", "padded", "full")
+            ]
+            lines.append(
+                f"| {r['device']} | {r['run_rows']:,} / {r['dev_rows']:,} | {' | '.join(cells)} | "
+                f"{r['ratio_run']:.2f}x | {r['run_speedup_packed']:.2f}x |"
+            )
     lines += ["", *WHY]
     (jsonl.parent / "train_cost.md").write_text("\n".join(lines) + "\n")
     try:
@@ -225,13 +325,18 @@ def render(jsonl: Path) -> None:
         print("matplotlib missing (pip install -e '.[plot]'): no plot", file=sys.stderr)
         return
     last = rows[-1]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-    for ax, (key, unit) in zip(
-        axes, [("ms_per_update", "ms per update"), ("memory_mb", "MB added by updates")], strict=True
-    ):
-        values = [last[f"{key}_bitfit"], last[f"{key}_full"]]
-        ax.bar(["BitFit", "full"], values, color=["tab:green", "tab:blue"])
-        ax.set(ylabel=unit, title=f"{unit}: {values[0] / max(values[1], 1e-9):.2f}x")
+    panels = [
+        (("ms_update_packed", "ms_update_padded", "ms_per_update_full"), "ms per update"),
+        (("memory_mb_packed", "memory_mb_padded", "memory_mb_full"), "MB added by updates"),
+    ]
+    if "ratio_run" in last:
+        panels.append((("run_s_bitfit", "run_s_padded", "run_s_full"), "s per default run"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
+    for ax, (keys, unit) in zip(axes, panels, strict=True):
+        values = [last.get(k, 0) for k in keys]
+        ax.bar(["BitFit packed", "BitFit padded", "full"], values, color=["tab:green", "tab:olive", "tab:blue"])
+        ax.set(ylabel=unit, title=f"{unit}: packed {values[0] / max(values[2], 1e-9):.2f}x full")
+        ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"{last['device']}, batch {last['batch']}")
     fig.tight_layout()
     fig.savefig(jsonl.parent / "train_cost.png", dpi=110)

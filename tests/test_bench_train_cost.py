@@ -1,25 +1,52 @@
-"""bench/train_cost.py: each mode trains what it should, through the trainer's own step, and the report renders."""
+"""bench/train_cost.py: each mode trains what it should, through the trainer's own step; a default run of each mode
+trains on its own forward; the report renders old and new rows."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from bench.train_cost import child, render
+from bench.train_cost import child, render, run_child
 from tests.helpers import synthetic_rows, write_jsonl
 
 
+def _args(tmp_path, tiny_bert_dir, mode):
+    train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 24, seed=1))
+    dev = write_jsonl(tmp_path / "dev.jsonl", synthetic_rows("classification", 8, seed=2))
+    return argparse.Namespace(
+        child=mode,
+        model=str(tiny_bert_dir),
+        device="cpu",
+        data=str(train),
+        dev=str(dev),
+        batch=4,
+        steps=2,
+        warmup=1,
+        run_rows=16,
+        dev_rows=8,
+        run_max_steps=6,
+    )
+
+
 def test_each_mode_trains_its_own_parameters_and_reports_cost(tiny_bert_dir, tmp_path):
-    data = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 8, seed=1))
-    got = {}
-    for mode in ("bitfit", "full"):
-        args = argparse.Namespace(
-            child=mode, model=str(tiny_bert_dir), device="cpu", data=str(data), batch=4, steps=2, warmup=1
-        )
-        got[mode] = child(args)
-    assert got["bitfit"]["trainable_params"] * 10 < got["full"]["trainable_params"]
+    got = {mode: child(_args(tmp_path, tiny_bert_dir, mode)) for mode in ("packed", "padded", "full")}
+    assert got["packed"]["trainable_params"] == got["padded"]["trainable_params"]
+    assert got["packed"]["trainable_params"] * 10 < got["full"]["trainable_params"]
     assert all(r["s_per_update"] > 0 and r["memory_bytes"] >= 0 for r in got.values())
-    line = {
+
+
+def test_default_runs_use_their_own_forward(tiny_bert_dir, tmp_path):
+    runs = {mode: run_child(_args(tmp_path, tiny_bert_dir, mode)) for mode in ("run-bitfit", "run-padded", "run-full")}
+    assert {m: r["forward"] for m, r in runs.items()} == {
+        "run-bitfit": "packed",
+        "run-padded": "padded",
+        "run-full": "padded",
+    }
+    assert all(r["seconds"] > 0 and r["steps"] > 0 and 0 <= r["dev_accuracy"] <= 1 for r in runs.values())
+
+
+def test_render_reads_rows_before_and_after_packed_training(tmp_path):
+    old = {
         "device": "cpu (2 threads)",
         "batch": 4,
         "trainable_bitfit": 1,
@@ -31,7 +58,38 @@ def test_each_mode_trains_its_own_parameters_and_reports_cost(tiny_bert_dir, tmp
         "memory_mb_full": 2.0,
         "memory_ratio": 0.5,
     }
+    new = {
+        "device": "cpu (2 threads)",
+        "batch": 32,
+        "trainable_bitfit": 1,
+        "trainable_full": 2,
+        "ms_update_packed": 400.0,
+        "ms_update_padded": 720.0,
+        "ms_per_update_full": 1000.0,
+        "speedup_packed": 1.8,
+        "update_ratio": 0.4,
+        "memory_mb_packed": 1.0,
+        "memory_mb_padded": 2.0,
+        "memory_mb_full": 3.0,
+        "run_rows": 1000,
+        "dev_rows": 300,
+        "run_s_bitfit": 100.0,
+        "run_s_padded": 150.0,
+        "run_s_full": 120.0,
+        "run_steps_bitfit": 630,
+        "run_steps_padded": 630,
+        "run_steps_full": 600,
+        "run_dev_accuracy_bitfit": 0.8,
+        "run_dev_accuracy_padded": 0.8,
+        "run_dev_accuracy_full": 0.79,
+        "ratio_run": 0.833,
+        "run_speedup_packed": 1.5,
+    }
     out = tmp_path / "train_cost.jsonl"
-    out.write_text(json.dumps(line) + "\n")
+    out.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
     render(out)
-    assert "| cpu (2 threads) | 4 | 1 / 2 | 1.0 | 2.0 | 0.50x |" in (tmp_path / "train_cost.md").read_text()
+    md = (tmp_path / "train_cost.md").read_text()
+    assert "| cpu (2 threads) | 4 | 1 / 2 | - | 1.0 | 2.0 | - | 0.50x |" in md
+    assert "| cpu (2 threads) | 32 | 1 / 2 | 400.0 | 720.0 | 1000.0 | 1.80x | 0.40x | 1.0 | 2.0 | 3.0 |" in md
+    runs = "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | 150.0 s, 630 steps, 80.0 | 120.0 s, 600 steps, 79.0 | 0.83x |"
+    assert runs in md

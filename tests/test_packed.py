@@ -10,7 +10,7 @@ import torch
 
 from patches.encoder import load_encoder
 from patches.model import TaskModel, pool
-from server.engine.packed import PackedBert, packed_unsupported
+from patches.packed import PackedBert, packed_unsupported
 from server.engine.runner import DTYPES, Row, Runner
 from tests.helpers import make_patch
 from tests.test_engine import SENTENCES, _reference, _rows

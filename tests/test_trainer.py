@@ -65,7 +65,9 @@ def test_only_target_biases_and_the_head_change(tmp_path, tiny_encoder, subset):
     trained = dict(result.model.encoder.named_parameters())
     moved = {n for n, p in trained.items() if not torch.equal(p.detach().cpu(), before[n])}
     assert moved and moved <= targets, moved - targets
-    assert len(moved) >= len(targets) - 2  # b_k barely moves but the rest must (pooler unused by mean pooling)
+    # every other target must move: b_k gets no gradient (softmax ignores it), the pooler is unused by mean pooling
+    unmoved = {n for n in targets - moved if ".attention.self.key." not in n and not n.startswith("pooler.")}
+    assert not unmoved, unmoved
     assert all(torch.equal(p, before[n]) for n, p in tiny_encoder.model.named_parameters()), "input encoder touched"
     assert set(result.patch.biases) == targets
     assert (
@@ -95,10 +97,11 @@ def test_every_kind_trains_end_to_end(tmp_path, tiny_encoder, kind, metric, repo
     assert {f"dev_{m}" for m in reported} | {f"test_{m}" for m in reported} == set(patch.meta.metrics)
     assert result.report["test"][metric] > 0.8, result.report["test"]
     assert [h[f"dev_{metric}"] for h in result.report["history"]][-1] > 0.8
-    # the patch alone, applied to a fresh copy of the encoder, scores exactly what the trained model scored
+    # the patch alone, applied to a fresh copy of the encoder, scores what the trained model scored
     model = TaskModel.from_patch(copy.deepcopy(tiny_encoder.model), patch)
     feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 128)
-    assert evaluate(model, feats, 0, patch.meta.labels) == result.report["test"]
+    # (up to rounding: the report scored the packed model)
+    assert evaluate(model, feats, 0, patch.meta.labels) == pytest.approx(result.report["test"], rel=1e-5, abs=1e-6)
 
 
 def test_training_is_deterministic_per_seed(tmp_path, tiny_encoder):

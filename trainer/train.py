@@ -6,6 +6,12 @@ train long enough, dev evaluation with early stopping and best-checkpoint restor
 checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
 the best dev score of the task's selection metric (``TrainConfig.selection_metric``). ``full=True``
 fine-tunes every weight of the same encoder for comparison and returns a report only.
+
+BitFit on a BERT encoder trains on the serving engine's packed model (``patches/packed_model.py``): no padding
+reaches a matrix product, and a job's restarts and learning-rate candidates train together in one batch, each row
+carrying its run's biases, each run keeping its own head, optimizer, schedule, early stopping and checkpoint. The
+gradients are the padded model's, so results equal training the runs one by one. Full fine-tuning and encoders
+the packed model does not cover train padded, one run at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +37,8 @@ from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
 from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel
+from patches.packed import packed_unsupported
+from patches.packed_model import PackedTaskModel
 from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
 
 IGNORE = -100
@@ -128,47 +136,75 @@ def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
 
 
-@torch.no_grad()
 def evaluate(
-    model: TaskModel,
+    model: TaskModel | PackedTaskModel,
     feats: list[Features],
     pad_id: int,
     labels: Sequence[Label],
     batch_size: int = 64,
     should_stop: StopFn = _never,
+    run: int | None = None,
 ) -> dict[str, float]:
     """Metrics of ``model`` on featurised data (eval mode; restores the previous mode); ``labels`` are the task's
-    labels or tags, in head order. ``should_stop`` is asked between batches (a long dev set must not delay a stop);
-    it raises TrainingStopped(0, 0) when it says so."""
+    labels or tags, in head order; ``run``: which run of a PackedTaskModel. ``should_stop`` is asked between
+    batches (a long dev set must not delay a stop); it raises TrainingStopped(0, 0) when it says so."""
+    runs = None if run is None else [run]
+    return evaluate_runs(model, feats, pad_id, labels, runs, batch_size=batch_size, should_stop=should_stop)[0]
+
+
+@torch.no_grad()
+def evaluate_runs(
+    model: TaskModel | PackedTaskModel,
+    feats: list[Features],
+    pad_id: int,
+    labels: Sequence[Label],
+    runs: Sequence[int] | None,
+    batch_size: int = 64,
+    should_stop: StopFn = _never,
+) -> list[dict[str, float]]:
+    """``evaluate`` for several runs of a PackedTaskModel at once (each batch of rows goes in once per run, in one
+    forward); ``runs=None`` evaluates a plain model. One metrics dict per run, in order."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    preds: list[np.ndarray] = []
-    golds: list[np.ndarray] = []
+    k = 1 if runs is None else len(runs)
+    preds: list[list[np.ndarray]] = [[] for _ in range(k)]
+    golds: list[list[np.ndarray]] = [[] for _ in range(k)]
     for i in range(0, len(feats), batch_size):
         if should_stop():
             raise TrainingStopped(0, 0)
-        b = collate(feats[i : i + batch_size], pad_id, model.kind, device)
-        logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float()
-        if model.kind == "regression":
-            preds.append(logits.squeeze(-1).cpu().numpy())
-            golds.append(b["labels"].cpu().numpy())
-        elif model.kind == "token-classification":  # one array per sentence: entities must not span two
-            best, gold = logits.argmax(-1).cpu().numpy(), b["labels"].cpu().numpy()
-            for row_pred, row_gold in zip(best, gold, strict=True):
-                keep = row_gold != IGNORE
-                preds.append(row_pred[keep])
-                golds.append(row_gold[keep])
+        chunk = feats[i : i + batch_size]
+        b = collate(chunk * k, pad_id, model.kind, device)
+        if runs is None:
+            logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
         else:
-            preds.append(logits.argmax(-1).cpu().numpy())
-            golds.append(b["labels"].cpu().numpy())
+            run = torch.tensor([r for r in runs for _ in chunk], device=device)
+            logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"], run=run)
+        logits, gold_all = logits.float().cpu(), b["labels"].cpu()
+        for j in range(k):
+            rows = slice(j * len(chunk), (j + 1) * len(chunk))
+            out, gold = logits[rows], gold_all[rows].numpy()
+            if model.kind == "regression":
+                preds[j].append(out.squeeze(-1).numpy())
+                golds[j].append(gold)
+            elif model.kind == "token-classification":  # one array per sentence: entities must not span two
+                for row_pred, row_gold in zip(out.argmax(-1).numpy(), gold, strict=True):
+                    keep = row_gold != IGNORE
+                    preds[j].append(row_pred[keep])
+                    golds[j].append(row_gold[keep])
+            else:
+                preds[j].append(out.argmax(-1).numpy())
+                golds[j].append(gold)
     model.train(was_training)
-    if model.kind == "token-classification":
-        return tagging_metrics(preds, golds, labels)
-    pred, gold = np.concatenate(preds), np.concatenate(golds)
-    if model.kind == "regression":
-        return regression_metrics(pred, gold)
-    return classification_metrics(pred, gold)
+    results = []
+    for p, g in zip(preds, golds, strict=True):
+        if model.kind == "token-classification":
+            results.append(tagging_metrics(p, g, labels))
+            continue
+        pred, gold = np.concatenate(p), np.concatenate(g)
+        score = regression_metrics if model.kind == "regression" else classification_metrics
+        results.append(score(pred, gold))
+    return results
 
 
 def _schedule(total: int, warmup: int) -> Callable[[int], float]:
@@ -201,7 +237,46 @@ def _set_dropout(module: nn.Module, rate: float) -> None:
             m.p = rate
 
 
-def _run(
+@dataclass
+class _Run:
+    """One training run's own state (its model parameters live in the shared model)."""
+
+    index: int
+    seed: int
+    lr: float
+    head_lr: float
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    rng: random.Random
+    order: list[int] = field(default_factory=list)
+    best: dict[str, Any] = field(default_factory=lambda: {"score": -math.inf, "step": 0, "metrics": {}, "state": None})
+    history: list[dict[str, float]] = field(default_factory=list)
+    bad_evals: int = 0
+    running: float = 0.0
+    last_dev: dict[str, float] | None = None
+    last_eval: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    active: bool = True
+
+
+def _snapshot(model: TaskModel | PackedTaskModel, run: _Run) -> Any:
+    if isinstance(model, PackedTaskModel):  # the run's own parameters
+        return [p.detach().clone() for p in run.params]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def _restore(model: TaskModel | PackedTaskModel, run: _Run, state: Any) -> None:
+    if isinstance(model, PackedTaskModel):
+        for p, saved in zip(run.params, state, strict=True):
+            p.copy_(saved)
+    else:
+        model.load_state_dict(state)
+
+
+def _train_runs(
     encoder: Encoder,
     train: list[Features],
     dev: list[Features],
@@ -211,123 +286,184 @@ def _run(
     metric: str,
     checkpoint: str,
     pooling: str,
-    lr: float,
-    seed: int,
+    specs: Sequence[tuple[float, int]],
+    packed: bool,
     on_progress: ProgressFn | None,
     progress_every_s: float,
     should_stop: StopFn,
-) -> dict[str, Any]:
-    """One training run (one seed, one learning rate); returns the kept model -- the best dev checkpoint, or with
-    ``checkpoint="last"`` the final one -- and its history.
+) -> tuple[TaskModel | PackedTaskModel, list[dict[str, Any]]]:
+    """Train the runs ``specs`` ((learning rate, seed) each) together: packed, every run's rows in one batch; or
+    padded, one run (a TaskModel on a copy of the encoder). Each run keeps the best dev checkpoint -- or with
+    ``checkpoint="last"`` the final one -- which is in the model when this returns; returns the model and each
+    run's history (``"run"``: its index in a PackedTaskModel).
 
     ``config`` is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
     assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
-    torch.manual_seed(seed)
+    if not packed and len(specs) != 1:
+        raise ValueError("the padded model trains one run at a time")
     device = resolve_device(config.device)
     n_out = 1 if kind == "regression" else len(labels)
-    model = TaskModel(copy.deepcopy(encoder.model), nn.Linear(encoder.hidden_size, n_out), kind, pooling).to(device)
-    if config.dropout is not None:
-        _set_dropout(model.encoder, config.dropout)
-    encoder_params, head_params = trainable_parameters(model, config)
-    params = encoder_params + head_params
-    head_lr = config.head_lr or lr
-    groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
+    heads = []
+    for _, seed in specs:  # each run's head starts where a run of its own would start it
+        torch.manual_seed(seed)
+        heads.append(nn.Linear(encoder.hidden_size, n_out))
+    model: TaskModel | PackedTaskModel
+    groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
+    if packed:
+        base = encoder.model
+        if next(base.parameters()).device != device:
+            base = copy.deepcopy(base).to(device)
+        cfg: Any = base.config
+        model = PackedTaskModel(
+            base,
+            heads,
+            kind,
+            pooling,
+            target_names(base, config.bias_subset),
+            hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
+            attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
+        )
+        groups = [model.run_parameters(r) for r in range(len(specs))]
+    else:
+        model = TaskModel(copy.deepcopy(encoder.model), heads[0], kind, pooling).to(device)
+        if config.dropout is not None:
+            _set_dropout(model.encoder, config.dropout)
+        groups = [trainable_parameters(model, config)]
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     total = config.planned_steps(len(train))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
+    runs = []
+    for i, ((lr, seed), (encoder_params, head_params)) in enumerate(zip(specs, groups, strict=True)):
+        head_lr = config.head_lr or lr
+        param_groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
+        optimizer = torch.optim.AdamW(  # bias-corrected Adam
+            param_groups,
+            lr=lr,
+            weight_decay=config.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
+        runs.append(_Run(i, seed, lr, head_lr, encoder_params + head_params, optimizer, scheduler, random.Random(seed)))
     # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the epoch
     # (and the evaluations) stretch with it, so patience always spans the same share of the run and cannot end
     # it during the warm-up.
     epoch_steps = max(steps_per_epoch, int(total / config.epochs))
     eval_every = config.eval_every or max(1, min(1000, epoch_steps // 4))
     pad_id = int(encoder.tokenizer.pad_token_id or 0)
-    rng = random.Random(seed)
-    best: dict[str, Any] = {"score": -math.inf, "step": 0, "metrics": {}, "state": None}
-    history: list[dict[str, float]] = []
-    order: list[int] = []
-    bad_evals, step, running, last_eval = 0, 0, 0.0, 0
-    bar = tqdm(
-        total=total,
-        desc=f"{config.task} seed={seed} lr={lr:g}",
-        disable=not sys.stderr.isatty(),
-        leave=False,
-        dynamic_ncols=True,
-    )
+    desc = f"{config.task} {len(specs)} runs"
+    if len(specs) == 1:
+        desc = f"{config.task} seed={specs[0][1]} lr={specs[0][0]:g}"
+    bar = tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
     model.train()
     t0 = last_report = time.perf_counter()
-    last_dev: dict[str, float] | None = None
+    step = 0
     while step < total:
+        active = [r for r in runs if r.active]
+        if not active:
+            break
         if should_stop():
             bar.close()
             raise TrainingStopped(step, total)
-        if not order:
-            order = list(range(len(train)))
-            rng.shuffle(order)
-        idx, order = order[: config.batch_size], order[config.batch_size :]
-        batch = collate([train[i] for i in idx], pad_id, kind, device)
-        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = loss_fn(kind, logits, batch["labels"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
+        rows: list[Features] = []
+        spans = []
+        for r in active:
+            if not r.order:
+                r.order = list(range(len(train)))
+                r.rng.shuffle(r.order)
+            idx, r.order = r.order[: config.batch_size], r.order[config.batch_size :]
+            spans.append((len(rows), len(rows) + len(idx)))
+            rows += [train[i] for i in idx]
+        batch = collate(rows, pad_id, kind, device)
+        if isinstance(model, PackedTaskModel):
+            run_of_row = torch.tensor([r.index for r, (a, b) in zip(active, spans, strict=True) for _ in range(b - a)])
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run=run_of_row)
+        else:
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        losses = [loss_fn(kind, logits[a:b], batch["labels"][a:b]) for a, b in spans]
+        for r in active:
+            r.optimizer.zero_grad(set_to_none=True)
+        (losses[0] if len(losses) == 1 else torch.stack(losses).sum()).backward()  # each run's own gradient
         step += 1
-        value = loss.item()
-        running = 0.9 * running + 0.1 * value if step > 1 else value
+        for r, loss in zip(active, losses, strict=True):
+            torch.nn.utils.clip_grad_norm_(r.params, config.max_grad_norm)
+            r.optimizer.step()
+            r.scheduler.step()
+            value = loss.item()
+            r.running = 0.9 * r.running + 0.1 * value if step > 1 else value
+            r.steps = step
         bar.update(1)
         evaluated = step % eval_every == 0 or step == total
         if evaluated:
             try:
-                metrics = last_dev = evaluate(model, dev, pad_id, labels, should_stop=should_stop)
+                scores = evaluate_runs(
+                    model,
+                    dev,
+                    pad_id,
+                    labels,
+                    [r.index for r in active] if isinstance(model, PackedTaskModel) else None,
+                    should_stop=should_stop,
+                )
             except TrainingStopped:
                 bar.close()
                 raise TrainingStopped(step, total) from None
-            score = metrics[metric]
-            history.append({"step": step, "loss": running, f"dev_{metric}": score})
-            bar.set_postfix(loss=f"{running:.4f}", dev=f"{score:.4f}")
-            # A tie goes to the later checkpoint: on a small dev set (26 rows score in steps of 4%) ties are common,
-            # and of two checkpoints the dev set cannot tell apart, the one trained longer is the better bet. Only a
-            # strict gain resets the patience.
-            bad_evals = 0 if score > best["score"] else bad_evals + 1
-            if score >= best["score"]:
-                best = {
-                    "score": score,
-                    "step": step,
-                    "metrics": metrics,
-                    "state": None
-                    if checkpoint == "last"
-                    else {k: v.detach().clone() for k, v in model.state_dict().items()},
-                }
-            last_eval = step
+            for r, metrics in zip(active, scores, strict=True):
+                r.last_dev, score = metrics, metrics[metric]
+                r.history.append({"step": step, "loss": r.running, f"dev_{metric}": score})
+                # A tie goes to the later checkpoint: on a small dev set (26 rows score in steps of 4%) ties are
+                # common, and of two checkpoints the dev set cannot tell apart, the one trained longer is the
+                # better bet. Only a strict gain resets the patience.
+                r.bad_evals = 0 if score > r.best["score"] else r.bad_evals + 1
+                if score >= r.best["score"]:
+                    state = None if checkpoint == "last" else _snapshot(model, r)
+                    r.best = {"score": score, "step": step, "metrics": metrics, "state": state}
+                r.last_eval = step
+                if r.bad_evals >= config.patience:  # early stopping: this run leaves the batch
+                    r.active = False
+                    r.seconds = time.perf_counter() - t0
+        lead = max(runs, key=lambda r: r.best["score"])  # a tie: the earlier run
+        if evaluated:
+            bar.set_postfix(loss=f"{lead.running:.4f}", dev=f"{lead.best['score']:.4f}", runs=len(active))
         # Reported at every evaluation and on a timer in between: the worker's lease heartbeat rides on this.
         if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
             last_report = time.perf_counter()
-            on_progress({"step": step, "total_steps": total, "loss": running, "dev": last_dev, "seed": seed, "lr": lr})
-        if bad_evals >= config.patience:
-            break
+            on_progress(
+                {
+                    "step": step,
+                    "total_steps": total,
+                    "loss": lead.running,
+                    "dev": lead.last_dev,
+                    "seed": lead.seed,
+                    "lr": lead.lr,
+                    "runs": len(runs),
+                    "active_runs": sum(r.active for r in runs),
+                }
+            )
     bar.close()
-    if checkpoint == "best":
-        model.load_state_dict(best["state"])  # best-checkpoint restore
-        kept_dev, kept_step = best["metrics"], best["step"]
-    else:  # the run always ends on an evaluation (the last update, or the one that exhausted the patience)
-        assert last_dev is not None
-        kept_dev, kept_step = last_dev, last_eval
+    results = []
+    for r in runs:
+        if r.active:
+            r.seconds = time.perf_counter() - t0
+        if checkpoint == "best":
+            _restore(model, r, r.best["state"])  # best-checkpoint restore
+            kept_dev, kept_step = r.best["metrics"], r.best["step"]
+        else:  # the run always ends on an evaluation (the last update, or the one that exhausted the patience)
+            assert r.last_dev is not None
+            kept_dev, kept_step = r.last_dev, r.last_eval
+        results.append(
+            {
+                "run": r.index,
+                "seed": r.seed,
+                "lr": r.lr,
+                "head_lr": r.head_lr,
+                "best_dev": kept_dev,
+                "best_step": kept_step,
+                "steps": r.steps,
+                "planned_steps": total,
+                "seconds": r.seconds,
+                "history": r.history,
+                "trainable_params": sum(p.numel() for p in r.params),
+            }
+        )
     model.eval()
-    return {
-        "model": model,
-        "seed": seed,
-        "lr": lr,
-        "head_lr": head_lr,
-        "best_dev": kept_dev,
-        "best_step": kept_step,
-        "steps": step,
-        "planned_steps": total,
-        "seconds": time.perf_counter() - t0,
-        "history": history,
-        "trainable_params": sum(p.numel() for p in params),
-    }
+    return model, results
 
 
 def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, float]]:
@@ -354,13 +490,16 @@ def train_patch(
     on_progress: ProgressFn | None = None,
     progress_every_s: float = 2.0,
     should_stop: StopFn = _never,
+    packed: bool | None = None,
 ) -> TrainResult:
     """Train a BitFit patch (or, with ``config.full``, fully fine-tune for comparison) on ``train``.
 
-    The encoder passed in is never modified: every run trains a copy. ``on_progress`` is called at every dev
-    evaluation and at least every ``progress_every_s`` seconds in between. ``should_stop`` is asked before every
-    update and between evaluation batches; when it says so, TrainingStopped is raised (a cancelled job, a worker
-    shutting down, a job over its time limit).
+    The encoder passed in is never modified: the packed model only reads its weights, the padded one trains a
+    copy. ``packed`` (default: whenever it can, i.e. BitFit on an encoder ``packed_unsupported`` accepts) trains
+    every run together on the packed model; False trains padded, one run at a time. ``on_progress`` is called at
+    every dev evaluation and at least every ``progress_every_s`` seconds in between. ``should_stop`` is asked before
+    every update and between evaluation batches; when it says so, TrainingStopped is raised (a cancelled job, a
+    worker shutting down, a job over its time limit).
     """
     kind, labels = train.kind, train.labels
     if dev.kind != kind or (test is not None and test.kind != kind):
@@ -392,10 +531,16 @@ def train_patch(
     )
     config = replace(config.resolved(), restarts=restarts, checkpoint=checkpoint)
     assert config.lr is not None
+    unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(encoder.model)
+    if packed and unsupported:
+        raise ValueError(f"packed training is not possible: {unsupported}")
+    packed = unsupported is None if packed is None else packed
     lrs = config.lr_search or [config.lr]
+    specs = [(lr, config.seed + r) for lr in lrs for r in range(restarts)]
     t0 = time.perf_counter()
-    runs = [
-        _run(
+
+    def train_runs(group: Sequence[tuple[float, int]]) -> tuple[TaskModel | PackedTaskModel, list[dict[str, Any]]]:
+        return _train_runs(
             encoder,
             train_f,
             dev_f,
@@ -405,17 +550,25 @@ def train_patch(
             metric,
             checkpoint,
             pooling,
-            lr,
-            config.seed + r,
+            group,
+            packed,
             on_progress,
             progress_every_s,
             should_stop,
         )
-        for lr in lrs
-        for r in range(restarts)
-    ]
-    best = max(runs, key=lambda r: r["best_dev"][metric])  # a tie keeps the earlier run: the seed asked for
-    model: TaskModel = best["model"]
+
+    models: list[TaskModel | PackedTaskModel] = []  # the model of each run
+    runs: list[dict[str, Any]] = []
+    for group in [specs] if packed else [[spec] for spec in specs]:
+        trained, results = train_runs(group)
+        models += [trained] * len(results)
+        runs += results
+    best_index = max(range(len(runs)), key=lambda i: runs[i]["best_dev"][metric])  # a tie: the earlier run, the
+    best = runs[best_index]  # seed asked for
+    chosen = models[best_index]
+    model = chosen.task_model(best["run"]) if isinstance(chosen, PackedTaskModel) else chosen
+    if isinstance(chosen, PackedTaskModel) and config.dropout is not None:
+        _set_dropout(model.encoder, config.dropout)  # the rate it trained with, as the padded model has it
     report: dict[str, Any] = {
         "task": config.task,
         "kind": kind,
@@ -447,24 +600,28 @@ def train_patch(
             "tried": len(runs),
         },
         "seconds": time.perf_counter() - t0,
+        "forward": "packed" if packed else "padded",
         "history": best["history"],
         "runs": [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs],
         "config": asdict(config),
     }
     if test is not None:  # every run is scored, so the report shows what the restarts bought; the best one is chosen
         test_f = featurize(tok, test, labels, max_len)  # on dev alone all the same
+        pad_id = int(tok.pad_token_id or 0)
         try:
-            for r, shown_run in zip(runs, report["runs"], strict=True):
-                shown_run["test"] = evaluate(
-                    r["model"], test_f, int(tok.pad_token_id or 0), labels, should_stop=should_stop
+            if packed:  # every run in one pass
+                scores = evaluate_runs(
+                    models[0], test_f, pad_id, labels, [r["run"] for r in runs], should_stop=should_stop
                 )
+            else:
+                scores = [evaluate(m, test_f, pad_id, labels, should_stop=should_stop) for m in models]
+            for shown_run, score in zip(report["runs"], scores, strict=True):
+                shown_run["test"] = score
         except TrainingStopped:
             raise TrainingStopped(best["steps"], best["planned_steps"]) from None
-        report["test"] = next(shown["test"] for r, shown in zip(runs, report["runs"], strict=True) if r is best)
+        report["test"] = report["runs"][best_index]["test"]
     report["bias_movement"] = bias_movement(model.encoder, encoder.model)
-    for r in runs:
-        if r is not best:
-            del r["model"]
+    del models, chosen  # the other runs' models
     if config.full:
         return TrainResult(None, report, model)
     metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.packed import HeadBank, PackedBert, batch_views, layout_size
+from patches.packed import HeadBank, PackedBert, batch_views, layout_size
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The runner: the only code that touches the device.
 
 It owns the encoder's engine, the slot manager and each slot's head. The engine is the packed one
-(``server/engine/packed.py``: padding-free, folded bias banks, heads in one bank, CUDA graphs on a GPU) for
+(``patches/packed.py``: padding-free, folded bias banks, heads in one bank, CUDA graphs on a GPU) for
 BERT encoders, and the slotted Hugging Face model (``slotted.py``) for any other architecture.
 
 ``run(rows)`` takes already-tokenised rows of any mix of tasks and returns one float32 CPU tensor per row: logits
@@ -23,8 +23,7 @@ import torch
 from patches.encoder import Encoder, resolve_device
 from patches.format import Patch
 from patches.model import pool
-from server.engine.graphs import GraphSet
-from server.engine.packed import (
+from patches.packed import (
     POOL_MODES,
     HeadBank,
     PackedBert,
@@ -34,6 +33,7 @@ from server.engine.packed import (
     layout_size,
     packed_unsupported,
 )
+from server.engine.graphs import GraphSet
 from server.engine.protocol import BASE_KEY
 from server.engine.slots import SlotManager
 from server.engine.slotted import install_slots, write_slot

@@ -1,4 +1,4 @@
-"""The packed engine: a padding-free forward of a BERT encoder over rows of any mix of tasks.
+"""The packed model: a padding-free forward of a BERT encoder over rows of any mix of tasks (or training runs).
 
 Rows are packed into one token stream ``[N, H]`` with cumulative row offsets ``cu`` (``[R + 1]``). Every linear
 layer, LayerNorm and activation then works on real tokens only; attention is the only op that mixes tokens, and
@@ -16,6 +16,12 @@ are exact in real arithmetic; ``tests/test_packed.py`` checks each one against t
 Pooling (mean / cls / pooler, chosen per row) and the heads (every resident head in one padded bank) are part of
 the same forward, so a batch of any mix is one fixed sequence of device ops: CUDA graphs capture it once per
 token-count bucket (``server/engine/graphs.py``).
+
+The trainer runs the same forward and its backward (``patches/packed_model.py``): there the banks are computed from
+each run's bias parameters at every step (``bank_values`` is differentiable) and passed to ``encode``/``pool``, and
+dropout is applied where BERT applies it. The folds that move a LayerNorm beta or the value bias past a dropout are
+not exact under dropout, so a training model builds its PackedBert with ``fold_value_bias=False, fold_ln_bias=False``
+(dropping the key bias stays exact: the key bias gets no gradient in the plain model either).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -89,6 +95,13 @@ class PackedBatch:
     key_mask: torch.Tensor | None = None  # [R, 1, 1, max_len] bool, True for real keys
 
 
+class Heads(NamedTuple):
+    """Task heads by slot: weights ``[S, C, H]`` and biases ``[S, C]`` (a HeadBank's tensors, or a trainer's)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
 class HeadBank:
     """Every resident task head in two device tensors: weights ``[S, C, H]`` and biases ``[S, C]``, C the largest
     output count so far (padded with zeros). Growing C reallocates: ``generation`` counts that, so captured graphs
@@ -143,24 +156,26 @@ class PackedBert:
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.drop_key_bias, self.fold_value_bias, self.fold_ln_bias = drop_key_bias, fold_value_bias, fold_ln_bias
         emb = bert.embeddings
-        self.word: torch.Tensor = emb.word_embeddings.weight
-        self.position: torch.Tensor = emb.position_embeddings.weight
+        self.word: torch.Tensor = emb.word_embeddings.weight.detach()
+        self.position: torch.Tensor = emb.position_embeddings.weight.detach()
         types = getattr(emb, "token_type_embeddings", None)
-        self.token_type: torch.Tensor | None = types.weight if types is not None else None
-        self.emb_g: torch.Tensor = emb.LayerNorm.weight
+        self.token_type: torch.Tensor | None = types.weight.detach() if types is not None else None
+        self.emb_g: torch.Tensor = emb.LayerNorm.weight.detach()
         self.emb_eps = float(emb.LayerNorm.eps)
         self.layers: list[_Layer] = []
         for i, layer in enumerate(bert.encoder.layer):
             att, p = layer.attention, f"encoder.layer.{i}."
             self.layers.append(
                 _Layer(
-                    wqkv=torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight]).contiguous(),
-                    wo=att.output.dense.weight,
-                    g1=att.output.LayerNorm.weight,
+                    wqkv=torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight])
+                    .detach()
+                    .contiguous(),
+                    wo=att.output.dense.weight.detach(),
+                    g1=att.output.LayerNorm.weight.detach(),
                     eps1=float(att.output.LayerNorm.eps),
-                    wi=layer.intermediate.dense.weight,
-                    wf=layer.output.dense.weight,
-                    g2=layer.output.LayerNorm.weight,
+                    wi=layer.intermediate.dense.weight.detach(),
+                    wf=layer.output.dense.weight.detach(),
+                    g2=layer.output.LayerNorm.weight.detach(),
                     eps2=float(layer.output.LayerNorm.eps),
                     names={
                         "q": p + "attention.self.query.bias",
@@ -175,7 +190,7 @@ class PackedBert:
                 )
             )
         pooler = getattr(bert, "pooler", None)
-        self.pooler_w: torch.Tensor | None = pooler.dense.weight if pooler is not None else None
+        self.pooler_w: torch.Tensor | None = pooler.dense.weight.detach() if pooler is not None else None
         self.device, self.dtype = self.word.device, self.word.dtype
         #: every bias of the encoder at its base value, float32 (what a task that does not train it gets)
         self.base = {n: p.detach().float().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
@@ -250,41 +265,63 @@ class PackedBert:
         return sum(1 for k in self.banks if k.startswith("0."))
 
     # --- forward -------------------------------------------------------------------------------------------------
-    def encode(self, b: PackedBatch, attention: str) -> torch.Tensor:
+    def encode(
+        self,
+        b: PackedBatch,
+        attention: str,
+        *,
+        banks: Mapping[str, torch.Tensor] | None = None,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+    ) -> torch.Tensor:
         """Final token states ``[N, H]``, float32 (the last LayerNorm, its beta, pooling and heads run in float32,
-        so half precision rounds them once less than the plain model does); padding tokens hold anything."""
+        so half precision rounds them once less than the plain model does); padding tokens hold anything.
+
+        ``banks`` replaces the resident banks (a trainer's, computed from its parameters); a bank of one row is
+        added to every token by broadcasting, without a gather. The dropouts are BERT's (after the embeddings, on
+        the attention probabilities, after the attention-output and output projections): a trainer's, 0 to serve."""
         h = self.hidden
+        banks = self.banks if banks is None else banks
+        slot = b.tok_slot
+
+        def bias(name: str) -> torch.Tensor:
+            bank = banks[name]
+            return bank if bank.shape[0] == 1 else bank.index_select(0, slot)
+
+        def drop(t: torch.Tensor) -> torch.Tensor:
+            return F.dropout(t, hidden_dropout, training=True) if hidden_dropout > 0 else t
+
         x = F.embedding(b.ids, self.word) + F.embedding(b.pos, self.position)
         if self.token_type is not None:
             x = x + F.embedding(b.types, self.token_type)
         x = F.layer_norm(x, (h,), self.emb_g, None, self.emb_eps)
-        banks, slot = self.banks, b.tok_slot
         if "emb_ln" in banks:
-            x = x + banks["emb_ln"].index_select(0, slot)
+            x = x + bias("emb_ln")
+        x = drop(x)
         for i, layer in enumerate(self.layers):
-            qkv = torch.addmm(banks[f"{i}.qkv"].index_select(0, slot), x, layer.wqkv.t())
-            ctx = self._attend(qkv, b, attention)
-            y = torch.addmm(banks[f"{i}.o"].index_select(0, slot), ctx, layer.wo.t())
+            qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
+            ctx = self._attend(qkv, b, attention, attention_dropout)
+            y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
             x = F.layer_norm(y + x, (h,), layer.g1, None, layer.eps1)
             if f"{i}.ln1" in banks:
-                x = x + banks[f"{i}.ln1"].index_select(0, slot)
-            y = self.act(torch.addmm(banks[f"{i}.i"].index_select(0, slot), x, layer.wi.t()))
-            y = torch.addmm(banks[f"{i}.f"].index_select(0, slot), y, layer.wf.t())
+                x = x + bias(f"{i}.ln1")
+            y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
+            y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()
             x = F.layer_norm(y + x, (h,), layer.g2.to(x.dtype), None, layer.eps2)
             if f"{i}.ln2" in banks:
-                x = x + banks[f"{i}.ln2"].index_select(0, slot)
+                x = x + bias(f"{i}.ln2")
         if "out" in banks:
-            x = x + banks["out"].index_select(0, slot)
+            x = x + bias("out")
         return x
 
-    def _attend(self, qkv: torch.Tensor, b: PackedBatch, attention: str) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, b: PackedBatch, attention: str, dropout: float = 0.0) -> torch.Tensor:
         n, nh, d = qkv.shape[0], self.n_heads, self.head_dim
         if attention == "flash":
             q, k, v = qkv.view(n, 3, nh, d).unbind(1)
             out = torch.ops.aten._flash_attention_forward(
-                q, k, v, b.cu, b.cu, b.max_len, b.max_len, 0.0, False, False, scale=1.0 / math.sqrt(d)
+                q, k, v, b.cu, b.cu, b.max_len, b.max_len, dropout, False, False, scale=1.0 / math.sqrt(d)
             )[0]
             return out.reshape(n, self.hidden)
         # exact path: pad only the attention, [R, heads, T, d], keys masked per row
@@ -292,11 +329,19 @@ class PackedBert:
         r, t = b.key_mask.shape[0], b.key_mask.shape[-1]
         padded = qkv.new_zeros(r * t, 3 * self.hidden).index_copy_(0, b.pidx, qkv)
         q, k, v = padded.view(r, t, 3, nh, d).permute(2, 0, 3, 1, 4).unbind(0)  # each [R, heads, T, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.key_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.key_mask, dropout_p=dropout)
         return out.transpose(1, 2).reshape(r * t, self.hidden).index_select(0, b.pidx)
 
-    def pool(self, x: torch.Tensor, b: PackedBatch, heads: HeadBank) -> torch.Tensor:
-        """``[R, H + C]``: each row's pooled vector (its own pooling mode) and its head's logits (zero-padded)."""
+    def pool(
+        self,
+        x: torch.Tensor,
+        b: PackedBatch,
+        heads: HeadBank | Heads,
+        banks: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``[R, H + C]``: each row's pooled vector (its own pooling mode) and its head's logits (zero-padded).
+        ``banks`` as in ``encode``; without a ``pooler`` bank no row is pooled by the pooler."""
+        banks = self.banks if banks is None else banks
         r = b.row_slot.shape[0]
         # padding tokens (seg == R) may hold anything, NaN included (flash attention never writes them): zero them,
         # since 0 * NaN would reach every row through the pooling product
@@ -313,8 +358,8 @@ class PackedBert:
         cls = x.index_select(0, starts)
         mode = b.row_mode.unsqueeze(1)
         pooled = torch.where(mode == POOL_MODES["mean"], total / lengths, cls)
-        if self.pooler_w is not None:
-            bias = self.banks["pooler"].index_select(0, b.row_slot).to(x.dtype)
+        if self.pooler_w is not None and "pooler" in banks:
+            bias = banks["pooler"].index_select(0, b.row_slot).to(x.dtype)
             pooler = torch.tanh(torch.addmm(bias, cls, self.pooler_w.t().to(x.dtype)))
             pooled = torch.where(mode == POOL_MODES["pooler"], pooler, pooled)
         w = heads.weight.index_select(0, b.row_slot).to(x.dtype)  # [R, C, H]
@@ -323,7 +368,7 @@ class PackedBert:
         return torch.cat([pooled, logits], dim=1)
 
     @staticmethod
-    def tag(x: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, heads: HeadBank) -> torch.Tensor:
+    def tag(x: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, heads: HeadBank | Heads) -> torch.Tensor:
         """Per-token logits ``[M, C]`` of the tagging rows' tokens (``tokens`` index x; ``slots`` their heads)."""
         w = heads.weight.index_select(0, slots).to(x.dtype)  # [M, C, H]
         hb = heads.bias.index_select(0, slots).to(x.dtype)

@@ -1,0 +1,156 @@
+"""The trainer's packed model: K training runs of one task over one frozen encoder, in one padding-free batch.
+
+Each run owns its trained biases and its head (this module's parameters, one group per run); the encoder's weights
+are the frozen shared ones, read through a ``PackedBert`` and never copied. A batch of right-padded rows, each
+tagged with its run, is packed (padding never reaches a matrix product), the runs' bias banks are folded from
+their parameters at every forward (``PackedBert.bank_values`` is differentiable: a few small products), and the
+forward is the serving engine's. Its backward therefore gives every run exactly the gradients the plain padded
+model (``patches.model.TaskModel``) gives it alone (``tests/test_packed_training.py`` checks logits and gradients
+in float32), and ``task_model(run)`` turns a run back into a plain TaskModel for patch extraction and evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from patches.bitfit import apply_biases
+from patches.model import TaskModel
+from patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
+
+
+class PackedTaskModel(nn.Module):
+    """``forward(input_ids, attention_mask, token_type_ids=None, run=None)`` -> logits, as TaskModel's.
+
+    ``encoder`` is a BertModel (``patches.packed.packed_unsupported`` says which are not); ``heads`` holds each run's
+    initial head (its count is the number of runs); ``trained`` names the biases every run trains, initialised at
+    the encoder's values. ``run`` gives each row's run (``[B]``; None: all rows are run 0)."""
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        heads: Sequence[nn.Linear],
+        kind: str,
+        pooling: str,
+        trained: Sequence[str],
+        *,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not heads:
+            raise ValueError("a packed task model needs at least one run (one head)")
+        # LayerNorm betas and value biases are not folded: a fold past a dropout is not exact (patches/packed.py)
+        base = PackedBert(encoder, 1, fold_value_bias=False, fold_ln_bias=False)
+        unknown = sorted(set(trained) - set(base.base))
+        if unknown:
+            raise ValueError(f"the encoder has no bias parameters {unknown[:5]}")
+        self._frozen = (encoder, base)  # a tuple, not submodules: their weights are not this module's parameters
+        self.kind, self.pooling = kind, pooling
+        self.trained = list(trained)
+        self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
+        device = base.device
+        self.run_biases = nn.ModuleList(
+            nn.ParameterList(nn.Parameter(base.base[n].to(device).clone()) for n in self.trained) for _ in heads
+        )
+        self.head_weights = nn.ParameterList(nn.Parameter(h.weight.detach().to(device).clone()) for h in heads)
+        self.head_biases = nn.ParameterList(nn.Parameter(h.bias.detach().to(device).clone()) for h in heads)
+
+    @property
+    def encoder(self) -> nn.Module:
+        return self._frozen[0]
+
+    @property
+    def packed(self) -> PackedBert:
+        return self._frozen[1]
+
+    @property
+    def runs(self) -> int:
+        return len(self.head_weights)
+
+    def run_biases_of(self, run: int) -> list[nn.Parameter]:
+        """One run's trained biases, in ``trained`` order."""
+        return list(cast(nn.ParameterList, self.run_biases[run]))
+
+    def run_parameters(self, run: int) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(trained biases, head weight and bias) of one run: what its optimizer steps."""
+        return self.run_biases_of(run), [self.head_weights[run], self.head_biases[run]]
+
+    def banks(self) -> dict[str, torch.Tensor]:
+        """Every run's bias banks ``[K, D]``, folded from its parameters (differentiable)."""
+        tasks = [dict(zip(self.trained, self.run_biases_of(r), strict=True)) for r in range(self.runs)]
+        vals = self.packed.bank_values(tasks)
+        if self.pooling != "pooler":  # no row is pooled by the pooler: skip its product
+            vals.pop("pooler", None)
+        return vals
+
+    def heads(self) -> Heads:
+        return Heads(torch.stack(list(self.head_weights)), torch.stack(list(self.head_biases)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        run: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        device = input_ids.device
+        n_rows, width = input_ids.shape
+        keep = attention_mask.bool()  # right-padded rows: a row's tokens are its first ``length`` positions
+        lengths = keep.sum(1)
+        max_len = int(lengths.max())
+        if run is None:
+            run = torch.zeros(n_rows, dtype=torch.long, device=device)
+        run = run.to(device, torch.long)
+        pos = torch.arange(width, device=device).expand(n_rows, width)
+        seg = torch.arange(n_rows, device=device).unsqueeze(1).expand(n_rows, width)
+        cu = torch.zeros(n_rows + 1, dtype=torch.long, device=device)
+        cu[1:] = lengths.cumsum(0)
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        batch = PackedBatch(
+            ids=input_ids[keep],
+            types=types[keep],
+            pos=pos[keep],
+            tok_slot=run.unsqueeze(1).expand(n_rows, width)[keep],
+            seg=seg[keep],
+            cu=cu,
+            row_slot=run,
+            row_mode=torch.full((n_rows,), POOL_MODES[self.pooling], dtype=torch.long, device=device),
+            max_len=max_len,
+        )
+        batch.pidx = batch.seg * max_len + batch.pos
+        batch.key_mask = (torch.arange(max_len, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(
+            n_rows, 1, 1, max_len
+        )
+        train = self.training
+        banks = self.banks()
+        x = self.packed.encode(
+            batch,
+            "exact",
+            banks=banks,
+            hidden_dropout=self.hidden_dropout if train else 0.0,
+            attention_dropout=self.attention_dropout if train else 0.0,
+        )
+        heads = self.heads()
+        if self.kind == "token-classification":  # every token's logits, back in the padded layout [B, T, C]
+            tokens = torch.arange(x.shape[0], device=device)
+            logits = PackedBert.tag(x, tokens, batch.tok_slot, heads)
+            out = logits.new_zeros(n_rows * width, logits.shape[1])
+            out = out.index_copy(0, batch.seg * width + batch.pos, logits)
+            return out.view(n_rows, width, -1)
+        return self.packed.pool(x, batch, heads, banks)[:, self.packed.hidden :]
+
+    @torch.no_grad()
+    def task_model(self, run: int) -> TaskModel:
+        """Run ``run`` as a plain TaskModel: a copy of the encoder with the run's biases, and its head (eval mode)."""
+        encoder = copy.deepcopy(self.encoder)
+        apply_biases(encoder, {n: p.detach() for n, p in zip(self.trained, self.run_biases_of(run), strict=True)})
+        weight = self.head_weights[run]
+        head = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
+        head.weight.copy_(weight)
+        head.bias.copy_(self.head_biases[run])
+        return TaskModel(encoder, head, self.kind, self.pooling).eval()

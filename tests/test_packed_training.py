@@ -1,0 +1,202 @@
+"""Packed training: the trainer's packed model gives the padded model's logits and gradients, runs in one batch keep
+to their own biases and heads, and train_patch's runs in one batch equal the same runs trained one by one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from patches.bitfit import bias_parameters, target_names
+from patches.model import TaskModel
+from patches.packed_model import PackedTaskModel
+from tests.test_trainer import _config, _data
+from trainer.train import Features, _set_dropout, collate, featurize, loss_fn, train_patch
+
+SENTENCES = [
+    "the cat sat",
+    "a much longer sentence about dogs running in the park all day long",
+    "hello",
+    "bright red apples and green pears on the kitchen table",
+    "one two three four five",
+]
+WORDS = [s.split() for s in SENTENCES]
+CASES = {  # kind, pooling, bias subset, outputs
+    "classification-mean": ("classification", "mean", "all", 3),
+    "classification-cls": ("classification", "cls", "all", 2),
+    "regression-pooler": ("regression", "pooler", "all", 1),
+    "tagging": ("token-classification", "mean", "all", 4),
+    "subset": ("classification", "mean", "query-intermediate", 3),
+}
+
+
+def _perturbed(encoder: nn.Module, seed: int) -> nn.Module:
+    """A copy of ``encoder`` whose biases are no longer the base ones (so every fold has something to carry)."""
+    model = copy.deepcopy(encoder)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in bias_parameters(model).values():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _batch(tokenizer, kind: str, n_out: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "token-classification":
+        enc = tokenizer(WORDS, is_split_into_words=True)
+        labels = []
+        for i in range(len(WORDS)):
+            tags = torch.randint(n_out, (len(enc.word_ids(i)),), generator=g).tolist()
+            labels.append([-100 if w is None else t for w, t in zip(enc.word_ids(i), tags, strict=True)])
+    else:
+        enc = tokenizer(SENTENCES)
+        scores = torch.rand(len(SENTENCES), generator=g).tolist()
+        labels = [scores[i] if kind == "regression" else i % n_out for i in range(len(SENTENCES))]
+    feats = [
+        Features(enc["input_ids"][i], enc["token_type_ids"][i], labels[i])  # type: ignore[arg-type]
+        for i in range(len(SENTENCES))
+    ]
+    return collate(feats, int(tokenizer.pad_token_id or 0), kind, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
+    kind, pooling, subset, n_out = CASES[case]
+    encoder = _perturbed(tiny_encoder.model, seed=1)
+    torch.manual_seed(0)
+    head = nn.Linear(tiny_encoder.hidden_size, n_out)
+    trained = target_names(encoder, subset)
+    padded = TaskModel(copy.deepcopy(encoder), copy.deepcopy(head), kind, pooling)
+    _set_dropout(padded.encoder, 0.0)
+    padded.train()
+    padded.requires_grad_(False)
+    params = bias_parameters(padded.encoder)
+    for name in trained:
+        params[name].requires_grad_(True)
+    padded.head.requires_grad_(True)
+    packed = PackedTaskModel(encoder, [head], kind, pooling, trained).train()
+
+    batch = _batch(tiny_encoder.tokenizer, kind, n_out)
+    args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    want, got = padded(*args), packed(*args)
+    keep = batch["labels"] != -100 if kind == "token-classification" else slice(None)
+    torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-5)
+    loss_fn(kind, want, batch["labels"]).backward()
+    loss_fn(kind, got, batch["labels"]).backward()
+    biases, (head_w, head_b) = packed.run_parameters(0)
+    for name, p in zip(trained, biases, strict=True):
+        # None counts as zero: the key bias gets no gradient from the packed model (it is dropped: softmax ignores
+        # it) and only rounding noise from the padded one; an unused pooler gets none from either
+        expected = torch.zeros_like(p) if params[name].grad is None else params[name].grad
+        actual = torch.zeros_like(p) if p.grad is None else p.grad
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(head_w.grad, padded.head.weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head_b.grad, padded.head.bias.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_runs_in_one_batch_keep_to_their_own_biases_and_leave_the_encoder_alone(tiny_encoder):
+    encoder = copy.deepcopy(tiny_encoder.model)
+    before = {n: p.detach().clone() for n, p in encoder.named_parameters()}
+    heads = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        heads.append(nn.Linear(tiny_encoder.hidden_size, 3))
+    trained = target_names(encoder, "all")
+    packed = PackedTaskModel(encoder, heads, "classification", "cls", trained)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for run in range(3):
+            for p in packed.run_biases_of(run):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    batch = _batch(tiny_encoder.tokenizer, "classification", 3)
+    run = torch.tensor([2, 0, 1, 2, 0])
+    packed.eval()
+    got = packed(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run=run)
+    for i, r in enumerate(run.tolist()):
+        alone = packed.task_model(r)
+        row = batch["attention_mask"][i].bool()
+        want = alone(batch["input_ids"][i : i + 1, row], batch["attention_mask"][i : i + 1, row])
+        torch.testing.assert_close(got[i : i + 1], want, rtol=0, atol=1e-5)
+    # a step trains the runs, never the shared encoder
+    packed.train()
+    loss_fn("classification", packed(batch["input_ids"], batch["attention_mask"], run=run), batch["labels"]).backward()
+    assert all(p.grad is None for p in encoder.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in encoder.named_parameters())
+    assert all(packed.run_parameters(r)[1][0].grad is not None for r in range(3))
+    # a run with no row in the batch gets no gradient
+    packed.zero_grad(set_to_none=True)
+    only = torch.zeros(5, dtype=torch.long)
+    loss_fn("classification", packed(batch["input_ids"], batch["attention_mask"], run=only), batch["labels"]).backward()
+    assert packed.run_parameters(0)[1][0].grad is not None
+    head_grad = packed.run_parameters(1)[1][0].grad
+    assert head_grad is None or not head_grad.any()
+
+
+def test_dropout_is_applied_in_training_only(tiny_encoder):
+    trained = target_names(tiny_encoder.model, "all")
+    torch.manual_seed(0)
+    head = nn.Linear(tiny_encoder.hidden_size, 2)
+    noisy = PackedTaskModel(tiny_encoder.model, [head], "classification", "mean", trained, hidden_dropout=0.3)
+    clean = PackedTaskModel(tiny_encoder.model, [head], "classification", "mean", trained)
+    batch = _batch(tiny_encoder.tokenizer, "classification", 2)
+    args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    noisy.train()
+    a, b = noisy(*args), noisy(*args)
+    assert not torch.allclose(a, b)
+    noisy.eval()
+    torch.testing.assert_close(noisy(*args), clean.eval()(*args), rtol=0, atol=0)
+    attention = PackedTaskModel(tiny_encoder.model, [head], "classification", "mean", trained, attention_dropout=0.3)
+    attention.train()
+    assert not torch.allclose(attention(*args), attention(*args))
+
+
+def test_train_patch_packs_bitfit_and_pads_full_fine_tuning(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", n_train=64, n_dev=16)
+    packed = train_patch(tiny_encoder, train, dev, _config(min_steps=4, eval_every=2))
+    assert packed.report["forward"] == "packed"
+    assert packed.patch is not None
+    assert isinstance(packed.model, TaskModel)  # the chosen run as a plain model
+    full = train_patch(tiny_encoder, train, dev, _config(min_steps=4, eval_every=2, full=True))
+    assert full.report["forward"] == "padded"
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        train_patch(tiny_encoder, train, dev, _config(full=True), packed=True)
+
+
+def _dev_logits(result, encoder, dev):
+    feats = featurize(encoder.tokenizer, dev, dev.labels, 128)
+    b = collate(feats, 0, dev.kind, torch.device("cpu"))
+    with torch.no_grad():
+        return result.model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
+
+
+@pytest.mark.parametrize("patience", [100, 1])
+def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder, patience):
+    train, dev = _data(tmp_path, "classification", n_train=96, n_dev=32)
+    config = _config(min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr_search=[1e-2, 3e-3], restarts=2)
+    together = train_patch(tiny_encoder, train, dev, config)
+    assert together.report["selection"]["tried"] == 4
+    assert together.report["forward"] == "packed"
+    alone = {}
+    for lr in (1e-2, 3e-3):
+        for seed in (config.seed, config.seed + 1):
+            one = _config(min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr=lr, seed=seed, restarts=1)
+            alone[(lr, seed)] = train_patch(tiny_encoder, train, dev, one)
+    for run in together.report["runs"]:
+        ref = alone[(run["lr"], run["seed"])].report
+        assert run["steps"] == ref["steps"] and run["best_step"] == ref["best_step"]
+        for k, v in ref["dev"].items():
+            assert run["best_dev"][k] == pytest.approx(v, abs=1e-6)
+    best = alone[(together.report["lr"], together.report["seed"])]
+    assert together.patch is not None and best.patch is not None
+    for name, value in best.patch.biases.items():
+        torch.testing.assert_close(together.patch.biases[name], value, rtol=0, atol=1e-5, msg=name)
+    torch.testing.assert_close(together.patch.head_weight, best.patch.head_weight, rtol=0, atol=1e-5)
+    if patience == 100:  # the padded model, one run: the same predictions (its key biases drift on rounding noise,
+        # which Adam scales up, but no output depends on them)
+        one = _config(min_steps=24, eval_every=4, dropout=0.0, lr=1e-2, seed=config.seed, restarts=1)
+        padded = train_patch(tiny_encoder, train, dev, one, packed=False)
+        assert padded.report["forward"] == "padded"
+        ref = _dev_logits(alone[(1e-2, config.seed)], tiny_encoder, dev)
+        torch.testing.assert_close(_dev_logits(padded, tiny_encoder, dev), ref, rtol=0, atol=1e-3)
