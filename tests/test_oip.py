@@ -4,8 +4,10 @@ tensors, and its errors reach the client with the server's message."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import httpx
 import numpy as np
@@ -45,6 +47,12 @@ def server(tiny_bert_dir, tiny_encoder, tmp_path_factory) -> Iterator[str]:
         for p in patches:
             r = httpx.post(f"{base}/tasks", files={"patch": ("p", p.data)}, headers={"Authorization": "Bearer adm"})
             assert r.status_code == 201, r.text
+        # each of the 2 front ends follows the registry on its own: wait until every one serves sentiment v2 (new
+        # connections land on either), or a request to one and a request to the other see different versions
+        deadline = time.monotonic() + 10
+        while not all(_predict(base, "sentiment", ["x"], full=True)["version"] == 2 for _ in range(10)):
+            assert time.monotonic() < deadline, "a front end did not pick up sentiment v2"
+            time.sleep(0.1)
         yield base
 
 
@@ -58,7 +66,7 @@ def _text_input(name: str, texts: list[str], binary: bool) -> triton.InferInput:
     return tensor
 
 
-def _predict(base: str, task: str, inputs: list) -> list[dict]:
+def _predict(base: str, task: str, inputs: list, full: bool = False) -> Any:
     r = httpx.post(
         f"{base}/tasks/{task}/predict",
         json={"inputs": inputs, **({"all_scores": True} if task == "sentiment" else {})},
@@ -66,7 +74,7 @@ def _predict(base: str, task: str, inputs: list) -> list[dict]:
         timeout=30,
     )
     assert r.status_code == 200, r.text
-    return r.json()["predictions"]
+    return r.json() if full else r.json()["predictions"]
 
 
 def test_health_and_model_metadata(server):

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from patches.errors import RegistryError, RegistryUnavailableError, ReplicationError
 from patches.jobs import JobNotFoundError, JobQueue
@@ -78,9 +79,14 @@ def test_registry_and_queue_follow_a_failover(sentinel_redis, tiny_encoder):
     assert queue.submit({"task": "other"}, {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}).status == "queued"
 
     sentinel_redis.restart_as_replica(old)  # the old primary returns as a replica; the next failover goes back
-    deadline = time.monotonic() + 60  # Sentinel learns of replicas from the primary's INFO, every 10 s
+    # Sentinel learns of replicas from the primary's INFO every 10 s, and of their link from theirs every 10 s too
+    deadline = time.monotonic() + 90
     while old not in sentinel_redis.replica_ports():
-        assert time.monotonic() < deadline, sentinel_redis._ask("SENTINEL", "REPLICAS", sentinel_redis.SERVICE)
+        if time.monotonic() > deadline:
+            seen = sentinel_redis._ask("SENTINEL", "REPLICAS", sentinel_redis.SERVICE) or []
+            views = [{k: r.get(k) for k in ("port", "flags", "master-link-status")} for r in seen]  # type: ignore[union-attr]
+            own = redis.Redis(port=old, socket_timeout=1, decode_responses=True).info("replication")
+            raise AssertionError(f"the Sentinels see {views}; the node itself: {own}")
         time.sleep(0.1)
     sentinel_redis.kill_primary()
     assert sentinel_redis.wait_for_failover(new) == old
@@ -231,8 +237,6 @@ def test_a_write_and_its_wait_never_straddle_two_connections(tmp_path):
     answers at that address now, with a replica of its own -- would find no write of its own to wait for and
     answer at once with that replica, acknowledging a write no replica holds. It must fail instead."""
     import subprocess
-
-    import redis
 
     from patches.store.redis import DurableWrites
     from patchserve.local import _redis_server
