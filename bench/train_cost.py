@@ -37,13 +37,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from patches.bitfit import target_names
 from patches.data import load_dataset
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from patches.model import TaskModel
 from patches.packed_model import PackedTaskModel
-from trainer.train import collate, featurize, loss_fn, train_patch, trainable_parameters
+from trainer.train import collate, featurize, loss_fn, packed_task_model, train_patch, trainable_parameters
 
 OUT = ROOT / "docs" / "benchmarks"
 MODES = ("packed", "padded", "full")
@@ -88,13 +87,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     config = TrainConfig(task="cost", full=args.child == "full")
     head = torch.nn.Linear(encoder.hidden_size, len(labels))
     model: TaskModel | PackedTaskModel
-    if args.child == "packed":
-        base: Any = encoder.model.to(device)
-        dropout = float(base.config.hidden_dropout_prob), float(base.config.attention_probs_dropout_prob)
-        trained = target_names(base, config.bias_subset)
-        model = PackedTaskModel(
-            base, [head], ds.kind, "mean", trained, hidden_dropout=dropout[0], attention_dropout=dropout[1]
-        )
+    if args.child == "packed":  # the trainer's own packed model
+        model = packed_task_model(encoder.model.to(device), [head], ds.kind, "mean", config)
         params = [p for group in model.run_parameters(0) for p in group]
     else:
         model = TaskModel(encoder.model, head, ds.kind, "mean").to(device)

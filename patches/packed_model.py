@@ -20,7 +20,7 @@ from torch import nn
 
 from patches.bitfit import apply_biases
 from patches.model import TaskModel
-from patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
+from patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert, add_exact_attention
 
 
 class PackedTaskModel(nn.Module):
@@ -102,7 +102,8 @@ class PackedTaskModel(nn.Module):
         n_rows, width = input_ids.shape
         keep = attention_mask.bool()  # right-padded rows: a row's tokens are its first ``length`` positions
         lengths = keep.sum(1)
-        max_len = int(lengths.max())
+        row_lengths = lengths.tolist()
+        max_len = max(row_lengths)
         if run is None:
             run = torch.zeros(n_rows, dtype=torch.long, device=device)
         run = run.to(device, torch.long)
@@ -122,10 +123,7 @@ class PackedTaskModel(nn.Module):
             row_mode=torch.full((n_rows,), POOL_MODES[self.pooling], dtype=torch.long, device=device),
             max_len=max_len,
         )
-        batch.pidx = batch.seg * max_len + batch.pos
-        batch.key_mask = (torch.arange(max_len, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(
-            n_rows, 1, 1, max_len
-        )
+        add_exact_attention(batch, row_lengths)
         train = self.training
         banks = self.banks()
         x = self.packed.encode(

@@ -31,13 +31,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(workdir: Path, *options: str, password: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_redis(
+    workdir: Path, *options: str, password: str | None = None, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
     """A throwaway redis-server on a free port, keeping nothing on disk, with extra ``options`` such as
     ``"--maxmemory", "1"`` and an optional ``password`` (requirepass, and in the URL); returns the process (the
     caller stops it) and its URL once it answers."""
     import redis
 
-    port = free_port()
+    port = port or free_port()
     args = [_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     args += ["--dir", str(workdir)]
     if password is not None:

@@ -239,7 +239,6 @@ def test_a_write_and_its_wait_never_straddle_two_connections(tmp_path):
     import subprocess
 
     from patches.store.redis import DurableWrites
-    from patchserve.local import _redis_server
     from tests.helpers import start_redis
 
     primary, url = start_redis(tmp_path)
@@ -252,14 +251,7 @@ def test_a_write_and_its_wait_never_straddle_two_connections(tmp_path):
         client.set("acknowledged?", "only if a replica has it")
         primary.kill()
         primary.wait()
-        # an empty redis-server on the same port, which the replica follows at once
-        successor.append(
-            subprocess.Popen(
-                [_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+        successor.append(start_redis(tmp_path, port=port)[0])  # an empty server on that port; the replica follows it
         probe = redis.Redis(port=port, socket_timeout=1)
         deadline = time.monotonic() + 30
         while True:

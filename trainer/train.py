@@ -276,6 +276,23 @@ def _restore(model: TaskModel | PackedTaskModel, run: _Run, state: Any) -> None:
         model.load_state_dict(state)
 
 
+def packed_task_model(
+    base: nn.Module, heads: Sequence[nn.Linear], kind: str, pooling: str, config: TrainConfig
+) -> PackedTaskModel:
+    """The packed model a BitFit job trains: ``heads`` (one per run) over ``base``, the config's biases trained, at
+    the config's dropout (None: the encoder's own rates)."""
+    cfg: Any = getattr(base, "config", None)
+    return PackedTaskModel(
+        base,
+        heads,
+        kind,
+        pooling,
+        target_names(base, config.bias_subset),
+        hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
+        attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
+    )
+
+
 def _train_runs(
     encoder: Encoder,
     train: list[Features],
@@ -313,16 +330,7 @@ def _train_runs(
         base = encoder.model
         if next(base.parameters()).device != device:
             base = copy.deepcopy(base).to(device)
-        cfg: Any = base.config
-        model = PackedTaskModel(
-            base,
-            heads,
-            kind,
-            pooling,
-            target_names(base, config.bias_subset),
-            hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
-            attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
-        )
+        model = packed_task_model(base, heads, kind, pooling, config)
         groups = [model.run_parameters(r) for r in range(len(specs))]
     else:
         model = TaskModel(copy.deepcopy(encoder.model), heads[0], kind, pooling).to(device)

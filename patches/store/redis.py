@@ -212,16 +212,16 @@ class RedisRegistry(Registry):
         self.url = redact_url(url)
         self.keys = RedisKeys(prefix if prefix is not None else url_prefix)
         self.r = client or connect_redis(conn_url)
-        self.durable = DurableWrites(conn_url, min_replicas, f"Redis registry at {self.url}")
+        self._what = f"Redis registry at {self.url}"
+        self.durable = DurableWrites(conn_url, min_replicas, self._what)
         self._pubsub: Any = None
         self._pubsub_lock = threading.Lock()
 
     def _call(self, fn: Callable[[], T]) -> T:
-        return call_redis(fn, f"Redis registry at {self.url}")
+        return call_redis(fn, self._what)
 
     def _transaction(self, fn: Callable[[Any], T], *watched: str) -> T:
-        what = f"Redis registry at {self.url}"
-        return self.durable.run(self.r, lambda client: run_transaction(client, fn, *watched, what=what))
+        return self.durable.run(self.r, lambda client: run_transaction(client, fn, *watched, what=self._what))
 
     # --- writes --------------------------------------------------------------------------------------------
     def put(self, patch: Patch) -> VersionInfo:
@@ -308,7 +308,7 @@ class RedisRegistry(Registry):
 
         watched = (k.task(task), k.versions(task), k.retired(task))
         if dry_run:  # writes nothing: no replicas to wait for
-            return run_transaction(self.r, tx, *watched, what=f"Redis registry at {self.url}")
+            return run_transaction(self.r, tx, *watched, what=self._what)
         return self._transaction(tx, *watched)
 
     # --- reads ---------------------------------------------------------------------------------------------
