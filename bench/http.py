@@ -93,10 +93,10 @@ async def touch_all(base: str, tasks: int, text: str) -> None:
         await asyncio.gather(*(one(i) for i in range(tasks)))
 
 
-def measure(base: str, script: Path, concurrency: int, seconds: float) -> dict[str, Any]:
+def measure(base: str, script: Path, concurrency: int, seconds: float, threads: int = 1) -> dict[str, Any]:
     """wrk on one cell, with the server's batch totals before and after."""
     before = server_figures(httpx.get(f"{base}/metrics").text)
-    load = run_wrk(base, script, concurrency, seconds)
+    load = run_wrk(base, script, concurrency, seconds, threads)
     after = server_figures(httpx.get(f"{base}/metrics").text)
     delta = {k: after[k] - before[k] for k in before}
     return {**load, **{f"server_{k}": v for k, v in delta.items()}}
@@ -318,6 +318,25 @@ def main() -> None:
         help="the engine process's CPU threads (default: the server's; with FREE, the cores the front ends leave, "
         "as a GPU server's engine gets)",
     )
+    ap.add_argument(
+        "--max-queue-rows",
+        type=int,
+        help="the servers' queue bound (default: the server's); raise it where concurrency x inputs exceeds it, or "
+        "the excess is answered 503 by design and counts as failed",
+    )
+    ap.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=1.0,
+        help="load per shape on each server before timing (a GPU server's first batches capture and allocate)",
+    )
+    ap.add_argument(
+        "--wrk-threads",
+        type=int,
+        default=1,
+        help="wrk's threads (one core each): 1 keeps the load off a 2-core machine's server; raise it where one wrk "
+        "thread cannot keep the connections busy (a GPU server with many cores)",
+    )
     ap.add_argument("--data", type=Path, default=DATA, help="folder of */dev.jsonl sets (the request texts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT / "http.jsonl", help="JSON lines of full runs (appended)")
@@ -368,6 +387,8 @@ def main() -> None:
             serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
             serve += ["--slots", str(n_tasks), "--registry", registry, "--workers", str(w)]
             serve += ["--max-batch-rows", str(args.max_batch_rows)]
+            if args.max_queue_rows is not None:
+                serve += ["--max-queue-rows", str(args.max_queue_rows)]
             if w > 0 and args.engine_threads is not None:
                 serve += ["--engine-threads", str(args.engine_threads)]
             elif w > 0 and front_end_bound:
@@ -377,7 +398,7 @@ def main() -> None:
             wait_ready(bases[w], proc=proc)
             asyncio.run(touch_all(bases[w], n_tasks, texts[0]))
             for t, k in scripts:  # a short warm-up of each shape (and of wrk's connections)
-                run_wrk(bases[w], scripts[t, k], max(concs), 1)
+                run_wrk(bases[w], scripts[t, k], max(concs), args.warmup_seconds, args.wrk_threads)
         for rep in range(args.repeats):
             for t in task_counts:
                 alone[t].append(alone_engine.rows_per_s(t, rng))
@@ -385,7 +406,7 @@ def main() -> None:
             shift = rep * (len(cells) // args.repeats or 1)
             for w, c, t, k in cells[shift:] + cells[:shift]:
                 r = {"workers": w, "concurrency": c, "tasks": t, "inputs": k, "repeat": rep}
-                r |= measure(bases[w], scripts[t, k], c, args.seconds)
+                r |= measure(bases[w], scripts[t, k], c, args.seconds, args.wrk_threads)
                 print(
                     json.dumps({x: round(v, 2) if isinstance(v, float) else v for x, v in r.items()}), file=sys.stderr
                 )

@@ -25,7 +25,8 @@ def add_settings_options(parser: argparse.ArgumentParser, settings_cls: type[Ser
     for name, field in settings_cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = "unset" if field.default is None else field.default
-        help_text = f"{field.description} [env {prefix}{name.upper()}; default {default}]"
+        # argparse %-formats help texts: a literal % in a description ("7% of its time") must be doubled
+        help_text = f"{field.description} [env {prefix}{name.upper()}; default {default}]".replace("%", "%%")
         kind = _option_type(field.annotation)
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
