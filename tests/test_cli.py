@@ -88,6 +88,8 @@ def test_every_option_explains_itself_and_names_its_default(capsys):
             ):
                 missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
     assert not missing, f"options without help or without their default: {missing}"
+    for name, command in sub.choices.items():  # every --help renders (argparse %-formats the texts: a stray % broke
+        assert name in command.format_help()  # 'patchserve serve --help' once)
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0
