@@ -203,6 +203,49 @@ def test_batcher_respects_row_and_patch_bounds(tiny_bert_dir, tiny_encoder):
     assert all(len({r.patch.patch_id for r in b}) <= 2 for b in batches), "more patches than slots in a batch"
 
 
+def test_batcher_serves_a_deep_queue_once_each_oldest_first(tiny_bert_dir, tiny_encoder):
+    """A queue far deeper than the selection window (which is taken off the head and put back): every live row
+    runs exactly once, each batch holds the oldest live row, the bounds hold, cancelled rows never run, and what
+    waits keeps its order."""
+    import asyncio
+    import random
+
+    from server.engine.batcher import Batcher
+
+    runner, batches = _spy_runner(tiny_bert_dir, slots=3)
+    patches = [make_patch(tiny_encoder, f"t{i}", seed=i) for i in range(5)]
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(SENTENCES).split()[: rng.randint(1, 6)]) for _ in range(300)]
+
+    async def scenario():
+        batcher = Batcher(runner, max_rows=4, max_tokens=24, max_queue_rows=1000)
+        rows = [_rows(tiny_encoder, patches[i % 5], [t])[0] for i, t in enumerate(texts)]
+        futures = [batcher.submit([r])[0] for r in rows]  # queued before the actor starts: one deep queue
+        cancelled = set(range(7, 300, 11))
+        for i in cancelled:
+            futures[i].cancel()
+        order = {id(r): i for i, r in enumerate(rows)}
+        queued = list(batcher._queue)
+        batcher.start()
+        live = [f for i, f in enumerate(futures) if i not in cancelled]
+        await asyncio.gather(*live)
+        await batcher.stop()
+        return order, cancelled, queued
+
+    order, cancelled, queued = asyncio.run(scenario())
+    ran = [order[id(r)] for b in batches for r in b]
+    assert sorted(ran) == sorted(set(range(300)) - cancelled), "a live row ran twice or never, or a cancelled one ran"
+    seen: set[int] = set()
+    for b in batches:
+        idx = [order[id(r)] for r in b]
+        assert len(b) <= 4 and len({r.patch.patch_id for r in b}) <= 3
+        assert sum(len(r.input_ids) for r in b) <= 24 or len(b) == 1
+        oldest_waiting = min(set(range(300)) - cancelled - seen)
+        assert oldest_waiting in idx, "a batch without the oldest waiting row (something starves)"
+        seen |= set(idx)
+    assert len(queued) == 300
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_default_minilm_mixed_batch_on_cuda(minilm, dtype):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections import deque
@@ -118,32 +117,41 @@ class Batcher:
             return sum(len(r.input_ids) for r in rows)
         return len(rows) * max(len(r.input_ids) for r in rows)
 
-    def _fits(self, batch: list[_Item], patches: set[str], item: _Item) -> bool:
-        new_patch = item.row.patch is not None and item.row.key not in patches  # base rows take no slot
-        return (
-            len(batch) < self.max_rows
-            and self._tokens([i.row for i in batch] + [item.row]) <= self.max_tokens
-            and (not new_patch or len(patches) < self.max_patches)
-        )
-
     def _select(self) -> list[_Item]:
         """The oldest live row anchors the batch (nothing starves); the others are chosen from a window of the
-        oldest rows by closeness in length, which is what cuts padding."""
-        window = [i for i in itertools.islice(self._queue, 4 * self.max_rows) if not i.future.done()]
+        oldest rows by closeness in length, which is what cuts padding.
+
+        Costs O(window), whatever the queue's depth: the window is taken off the queue's head and what was not
+        chosen goes back in front, in order. (Rebuilding the whole queue per batch cost ~0.3 ms at 2,048 queued
+        rows, a third of a 32-row forward on a GPU.) Rows of cancelled requests are dropped as the window meets
+        them."""
+        queue, window = self._queue, []
+        limit = 4 * self.max_rows
+        while queue and len(window) < limit:
+            item = queue.popleft()
+            if not item.future.done():
+                window.append(item)
         if not window:
-            self._queue = deque(i for i in self._queue if not i.future.done())
             return []
         anchor = window[0]
         size = len(anchor.row.input_ids)
+        packed = self.runner.packed is not None
         batch, patches = [anchor], {anchor.row.key}
+        tokens, longest = size, size  # the batch's real tokens and its longest row, kept as it grows
         for item in sorted(window[1:], key=lambda i: abs(len(i.row.input_ids) - size)):
             if len(batch) >= self.max_rows:
                 break
-            if self._fits(batch, patches, item):
+            n = len(item.row.input_ids)
+            key = item.row.key
+            cost = tokens + n if packed else (len(batch) + 1) * max(longest, n)
+            new_patch = item.row.patch is not None and key not in patches  # base rows take no slot
+            if cost <= self.max_tokens and (not new_patch or len(patches) < self.max_patches):
                 batch.append(item)
-                patches.add(item.row.key)
-        chosen = {id(i) for i in batch}
-        self._queue = deque(i for i in self._queue if id(i) not in chosen and not i.future.done())
+                patches.add(key)
+                tokens, longest = tokens + n, max(longest, n)
+        if len(batch) < len(window):  # the rest back in front, in their order
+            chosen = {id(i) for i in batch}
+            queue.extendleft(reversed([i for i in window if id(i) not in chosen]))
         return batch
 
     async def _wait(self, timeout: float | None) -> None:

@@ -1,0 +1,253 @@
+"""The engine process's own ceiling: what it serves over ZeroMQ with no front end in the way, against the engine
+alone on the same model and rows.
+
+    python bench/engine_process.py --quick                 # free model, CPU, 8 and 1 rows a request; last line: JSON
+    python bench/engine_process.py                         # the grid -> docs/benchmarks/engine_process.{jsonl,md,png}
+    python bench/engine_process.py --model default --device cuda --dtype float16     # on a GPU
+
+Why: on an H100 (docs/benchmarks/http-gpu.md) the HTTP rows/s at 8 inputs a request did not grow with the front
+ends and fell with concurrency: the engine process, not the front ends, was the limit. This isolates it. The
+benchmark starts the real engine process (``server.supervisor.EngineProcess``, as ``patchserve serve --workers N``
+does) and one ZeroMQ DEALER here sends it pre-tokenised ``Infer`` messages of K rows (``--rows``) of random tasks,
+keeping ``--outstanding`` rows in flight (closed loop: a new request for every answer). Per cell: rows/s through the
+engine process, and the engine alone -- the same runner in this process on batches of --max-batch-rows rows of
+the same texts and tasks, back to back -- with their ratio (1.0: the process adds nothing to its forward passes).
+
+--model FREE (the default) is a random BERT of one layer, hidden 32, under the default encoder's tokenizer: on two
+CPU cores its forward of 32 rows takes about what the default encoder's takes on an H100 in float16 (~1.1 ms), so
+the ratio shows what the engine process's own Python costs a GPU server. Cells interleave; medians over --repeats.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the repository on sys.path instead of bench/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import zmq
+
+from bench.common import DATA, FREE_MODEL, append_run, latest_run, model_source, pyplot, sentences
+from bench.http import EngineAlone, device_name
+from patches.encoder import load_encoder
+from patches.synthetic import random_patch
+from server.engine.protocol import Hello, Infer, Outputs, RowIn, encode, from_engine
+from server.settings import ServerSettings
+from server.supervisor import EngineProcess
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+KEYS = ("rows", "outstanding")
+
+
+class Client:
+    """One DEALER on the engine process, closed loop over pre-encoded requests."""
+
+    def __init__(self, address: str, messages: list[bytes]) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        self.sock.connect(address)
+        self.sock.send(encode(Hello()))
+        from_engine.decode(self.sock.recv())
+        self.messages = messages
+
+    def ask(self, payload: bytes) -> None:
+        self.sock.send(payload)
+        answer = from_engine.decode(self.sock.recv())
+        if not isinstance(answer, Outputs):
+            raise RuntimeError(f"the engine answered {answer}")
+
+    def rows_per_s(self, rows: int, outstanding: int, seconds: float) -> float:
+        window = max(1, outstanding // rows)
+        msgs = itertools.cycle(self.messages)
+        sent = done = 0
+        t0 = time.perf_counter()
+        while sent < window:
+            self.sock.send(next(msgs))
+            sent += 1
+        while True:
+            answer = from_engine.decode(self.sock.recv())
+            if not isinstance(answer, Outputs):
+                raise RuntimeError(f"the engine answered {answer}")
+            done += 1
+            if time.perf_counter() - t0 >= seconds:
+                break
+            self.sock.send(next(msgs))
+            sent += 1
+        elapsed = time.perf_counter() - t0
+        while done < sent:  # drain, so the next cell starts on an empty queue
+            self.sock.recv()
+            done += 1
+        return done * rows / elapsed
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def render(jsonl: Path) -> None:
+    meta, cells = latest_run(jsonl)
+    md = [
+        "# The engine process's ceiling",
+        "",
+        f"Written by `{meta['command']}` on {meta['machine']} ({meta['device']}), {meta['date']} (torch "
+        f"{meta['torch']}, commit {meta['commit']}); {meta['engine']}. One DEALER sends pre-tokenised requests of K "
+        f"rows, closed loop with the given rows in flight; {meta['seconds']:g} s per cell, medians over "
+        f"{meta['repeats']} repeats (cells interleaved). engine alone = the same runner in the benchmark's process on "
+        "full batches, back to back. ratio = engine process / engine alone.",
+        "",
+        "| rows a request | rows in flight | engine process rows/s | engine alone rows/s | ratio |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        md.append(
+            f"| {c['rows']} | {c['outstanding']} | {c['rows_per_s']:,.0f} | {c['engine_alone_rows_per_s']:,.0f} | "
+            f"{c['ratio']:.2f} |"
+        )
+    if meta.get("notes"):
+        md += ["", meta["notes"]]
+    jsonl.with_suffix(".md").write_text("\n".join(md) + "\n")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in sorted({c["rows"] for c in cells}):
+        mine = sorted((c for c in cells if c["rows"] == k), key=lambda c: c["outstanding"])
+        ax.plot([c["outstanding"] for c in mine], [c["ratio"] for c in mine], marker="o", label=f"{k} rows a request")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="rows in flight", ylabel="engine process / engine alone", ylim=(0, 1.05))
+    ax.set_title(meta["engine"], fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(jsonl.with_suffix(".png"), dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 and 1 rows a request, 2,048 and 256 in flight, 2 x 3 s")
+    ap.add_argument("--model", default=FREE_MODEL, help="encoder: FREE (see above), default, or a folder")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rows", default="1,8", help="rows a request (comma-separated)")
+    ap.add_argument("--outstanding", default="64,256,2048", help="rows in flight (comma-separated)")
+    ap.add_argument("--tasks", type=int, default=200, help="tasks the rows spread over (all resident)")
+    ap.add_argument("--max-batch-rows", type=int, default=32, help="the engine's batch bound (and the alone run's)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="load per cell and repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--data", type=Path, default=DATA, help="folder of */dev.jsonl sets (the texts)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT / "engine_process.jsonl", help="JSON lines of full runs")
+    ap.add_argument("--note", default="", help="a note for the table")
+    ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from --out")
+    args = ap.parse_args()
+    if args.render:
+        render(args.out)
+        return
+    if args.quick:
+        args.rows, args.outstanding, args.seconds, args.repeats = "8,1", "2048,256", 3.0, 2
+    ks = [int(x) for x in args.rows.split(",")]
+    outstanding = [int(x) for x in args.outstanding.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-process-"))
+    model = model_source(args.model, work)
+    encoder = load_encoder(model)
+    patches = [random_patch(encoder, f"task{i}", seed=i + 1, scale=0.05) for i in range(args.tasks)]
+    texts = sentences(args.data, args.seed)
+    rng = random.Random(args.seed)
+    token_rows = encoder.tokenizer(texts[:4000], truncation=True, max_length=128)["input_ids"]
+    del encoder
+
+    def request(i: int, k: int, with_bytes: bool = False) -> bytes:
+        rows, carried = [], {}
+        for _ in range(k):
+            ids, p = rng.choice(token_rows), rng.choice(patches)
+            rows.append(RowIn(ids, [0] * len(ids), p.patch_id))
+            if with_bytes:
+                carried[p.patch_id] = p.data
+        return encode(Infer(i, rows, carried))
+
+    settings = ServerSettings(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        slots=max(args.tasks, 1),
+        max_batch_rows=args.max_batch_rows,
+        max_queue_rows=max(outstanding) * 2,
+        workers=1,
+    )
+    engine = EngineProcess(settings, f"ipc://{work / 'engine'}")
+    engine.start()
+    try:
+        engine.wait_ready()
+        clients = {k: Client(engine.address, [request(i, k) for i in range(2000)]) for k in ks}
+        first = clients[ks[0]]
+        for j, p in enumerate(patches):  # every patch sent once (as a front end does), so every task is resident
+            first.ask(encode(Infer(10**7 + j, [RowIn([101, 102], [0, 0], p.patch_id)], {p.patch_id: p.data})))
+        for k, c in clients.items():  # warm-up of each shape
+            c.rows_per_s(k, max(outstanding), 1.0)
+        alone_engine = EngineAlone(model, patches, texts, args.max_batch_rows, args.device, args.dtype)
+        cells = list(itertools.product(ks, outstanding))
+        runs: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+        alone: list[float] = []
+        for rep in range(args.repeats):
+            alone.append(alone_engine.rows_per_s(args.tasks, rng))
+            shift = rep % len(cells)
+            for k, n in cells[shift:] + cells[:shift]:
+                runs[k, n].append(clients[k].rows_per_s(k, n, args.seconds))
+                print(json.dumps({"rows": k, "outstanding": n, "rows_per_s": round(runs[k, n][-1])}), file=sys.stderr)
+        for c in clients.values():
+            c.close()
+    finally:
+        engine.stop()
+    engine_alone = statistics.median(alone)
+    summary = [
+        {
+            "rows": k,
+            "outstanding": n,
+            "rows_per_s": round(statistics.median(runs[k, n]), 1),
+            "engine_alone_rows_per_s": round(engine_alone, 1),
+            "ratio": round(statistics.median(runs[k, n]) / engine_alone, 3),
+        }
+        for k, n in cells
+    ]
+    if not args.quick:
+        meta = {
+            "command": "python bench/engine_process.py " + " ".join(sys.argv[1:]),
+            "engine": f"{args.model} encoder on {args.device} ({args.dtype}), {args.tasks} tasks, batches of up to "
+            f"{args.max_batch_rows} rows",
+            "device": device_name(args.device),
+            "seconds": args.seconds,
+            "repeats": args.repeats,
+            "notes": args.note,
+        }
+        append_run(args.out, meta, [{"kind": "cell", **c} for c in summary])
+        render(args.out)
+        print(f"wrote {args.out} and its .md and .png", file=sys.stderr)
+    for c in summary:
+        print(json.dumps(c), file=sys.stderr)
+    deepest = max(outstanding)
+    head = {
+        f"ratio_{k}_rows_{deepest}": c["ratio"]
+        for k in ks
+        for c in summary
+        if (c["rows"], c["outstanding"]) == (k, deepest)
+    }
+    head |= {
+        f"rows_per_s_{k}_rows_{deepest}": c["rows_per_s"]
+        for k in ks
+        for c in summary
+        if (c["rows"], c["outstanding"]) == (k, deepest)
+    }
+    print(json.dumps({"engine_alone_rows_per_s": round(engine_alone, 1), **head}))
+
+
+if __name__ == "__main__":
+    main()
