@@ -36,16 +36,13 @@ import time
 
 import zmq
 
-from bench.common import DATA, FREE_MODEL, append_run, latest_run, model_source, pyplot, sentences
+from bench.common import DATA, FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot, sentences
 from bench.http import EngineAlone, device_name
 from patches.encoder import load_encoder
 from patches.synthetic import random_patch
 from server.engine.protocol import Hello, Infer, Outputs, RowIn, encode, from_engine
 from server.settings import ServerSettings
 from server.supervisor import EngineProcess
-
-OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-KEYS = ("rows", "outstanding")
 
 
 class Client:
@@ -60,11 +57,15 @@ class Client:
         from_engine.decode(self.sock.recv())
         self.messages = messages
 
-    def ask(self, payload: bytes) -> None:
-        self.sock.send(payload)
+    def _outputs(self) -> None:
+        """The next answer, which must be outputs (a failure or ``Missing`` would make the figures meaningless)."""
         answer = from_engine.decode(self.sock.recv())
         if not isinstance(answer, Outputs):
             raise RuntimeError(f"the engine answered {answer}")
+
+    def ask(self, payload: bytes) -> None:
+        self.sock.send(payload)
+        self._outputs()
 
     def rows_per_s(self, rows: int, outstanding: int, seconds: float) -> float:
         window = max(1, outstanding // rows)
@@ -75,9 +76,7 @@ class Client:
             self.sock.send(next(msgs))
             sent += 1
         while True:
-            answer = from_engine.decode(self.sock.recv())
-            if not isinstance(answer, Outputs):
-                raise RuntimeError(f"the engine answered {answer}")
+            self._outputs()
             done += 1
             if time.perf_counter() - t0 >= seconds:
                 break
@@ -165,14 +164,12 @@ def main() -> None:
     token_rows = encoder.tokenizer(texts[:4000], truncation=True, max_length=128)["input_ids"]
     del encoder
 
-    def request(i: int, k: int, with_bytes: bool = False) -> bytes:
-        rows, carried = [], {}
+    def request(i: int, k: int) -> bytes:
+        rows = []
         for _ in range(k):
             ids, p = rng.choice(token_rows), rng.choice(patches)
             rows.append(RowIn(ids, [0] * len(ids), p.patch_id))
-            if with_bytes:
-                carried[p.patch_id] = p.data
-        return encode(Infer(i, rows, carried))
+        return encode(Infer(i, rows))
 
     settings = ServerSettings(
         model=model,
@@ -234,18 +231,9 @@ def main() -> None:
     for c in summary:
         print(json.dumps(c), file=sys.stderr)
     deepest = max(outstanding)
-    head = {
-        f"ratio_{k}_rows_{deepest}": c["ratio"]
-        for k in ks
-        for c in summary
-        if (c["rows"], c["outstanding"]) == (k, deepest)
-    }
-    head |= {
-        f"rows_per_s_{k}_rows_{deepest}": c["rows_per_s"]
-        for k in ks
-        for c in summary
-        if (c["rows"], c["outstanding"]) == (k, deepest)
-    }
+    at_deepest = {c["rows"]: c for c in summary if c["outstanding"] == deepest}
+    head = {f"ratio_{k}_rows_{deepest}": at_deepest[k]["ratio"] for k in ks}
+    head |= {f"rows_per_s_{k}_rows_{deepest}": at_deepest[k]["rows_per_s"] for k in ks}
     print(json.dumps({"engine_alone_rows_per_s": round(engine_alone, 1), **head}))
 
 

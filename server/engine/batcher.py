@@ -138,7 +138,7 @@ class Batcher:
         size = len(anchor.row.input_ids)
         packed = self.runner.packed is not None
         batch, patches = [anchor], {anchor.row.key}
-        tokens, longest = size, size  # the batch's real tokens and its longest row, kept as it grows
+        tokens, longest = size, size  # what _tokens() would say of the batch, kept as it grows (not O(batch²))
         for item in sorted(window[1:], key=lambda i: abs(len(i.row.input_ids) - size)):
             if len(batch) >= self.max_rows:
                 break
