@@ -7,6 +7,10 @@ their parameters at every forward (``PackedBert.bank_values`` is differentiable:
 forward is the serving engine's. Its backward therefore gives every run exactly the gradients the plain padded
 model (``patches.model.TaskModel``) gives it alone (``tests/test_packed_training.py`` checks logits and gradients
 in float32), and ``task_model(run)`` turns a run back into a plain TaskModel for patch extraction and evaluation.
+
+Several models built over one ``training_bert`` (several jobs on one base, as ``patchserve worker --concurrent-jobs``
+trains them) put their rows through one packed encode: ``joint_forward`` stacks their bias banks, and each model's
+heads then read only its own rows.
 """
 
 from __future__ import annotations
@@ -23,12 +27,20 @@ from patches.model import TaskModel
 from patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert, add_exact_attention
 
 
+def training_bert(encoder: nn.Module) -> PackedBert:
+    """A PackedBert for training over ``encoder``: LayerNorm betas and value biases are not folded, since a fold past
+    a dropout is not exact (patches/packed.py). Models built over one of these (``PackedTaskModel(packed=...)``)
+    share its frozen weights and can encode their rows together (``joint_forward``)."""
+    return PackedBert(encoder, 1, fold_value_bias=False, fold_ln_bias=False)
+
+
 class PackedTaskModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids=None, run=None)`` -> logits, as TaskModel's.
 
     ``encoder`` is a BertModel (``patches.packed.packed_unsupported`` says which are not); ``heads`` holds each run's
     initial head (its count is the number of runs); ``trained`` names the biases every run trains, initialised at
-    the encoder's values. ``run`` gives each row's run (``[B]``; None: all rows are run 0)."""
+    the encoder's values. ``run`` gives each row's run (``[B]``; None: all rows are run 0). ``packed``: a
+    ``training_bert(encoder)`` to share with other models (default: one of its own)."""
 
     def __init__(
         self,
@@ -40,12 +52,15 @@ class PackedTaskModel(nn.Module):
         *,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
+        packed: PackedBert | None = None,
     ) -> None:
         super().__init__()
         if not heads:
             raise ValueError("a packed task model needs at least one run (one head)")
-        # LayerNorm betas and value biases are not folded: a fold past a dropout is not exact (patches/packed.py)
-        base = PackedBert(encoder, 1, fold_value_bias=False, fold_ln_bias=False)
+        base = training_bert(encoder) if packed is None else packed
+        word: nn.Module = getattr(getattr(encoder, "embeddings", None), "word_embeddings", nn.Identity())
+        if packed is not None and packed.word.data_ptr() != getattr(word, "weight", packed.word).data_ptr():
+            raise ValueError("packed= must be a training_bert() of this encoder")
         unknown = sorted(set(trained) - set(base.base))
         if unknown:
             raise ValueError(f"the encoder has no bias parameters {unknown[:5]}")
@@ -98,12 +113,21 @@ class PackedTaskModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         run: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        return joint_forward([(self, input_ids, attention_mask, token_type_ids, run)])[0]
+
+    def pack(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        run: torch.Tensor | None = None,
+    ) -> tuple[PackedBatch, list[int]]:
+        """The packed batch of right-padded rows (without the exact path's attention layout) and each row's length."""
         device = input_ids.device
         n_rows, width = input_ids.shape
         keep = attention_mask.bool()  # right-padded rows: a row's tokens are its first ``length`` positions
         lengths = keep.sum(1)
         row_lengths = lengths.tolist()
-        max_len = max(row_lengths)
         if run is None:
             run = torch.zeros(n_rows, dtype=torch.long, device=device)
         run = run.to(device, torch.long)
@@ -121,26 +145,29 @@ class PackedTaskModel(nn.Module):
             cu=cu,
             row_slot=run,
             row_mode=torch.full((n_rows,), POOL_MODES[self.pooling], dtype=torch.long, device=device),
-            max_len=max_len,
+            max_len=max(row_lengths),
         )
-        add_exact_attention(batch, row_lengths)
-        train = self.training
-        banks = self.banks()
-        x = self.packed.encode(
-            batch,
-            "exact",
-            banks=banks,
-            hidden_dropout=self.hidden_dropout if train else 0.0,
-            attention_dropout=self.attention_dropout if train else 0.0,
-        )
+        return batch, row_lengths
+
+    def logits(
+        self, x: torch.Tensor, batch: PackedBatch, banks: dict[str, torch.Tensor], width: int
+    ) -> torch.Tensor:
+        """The heads over encoded tokens ``x`` of ``batch`` (this model's rows only): ``[B, C]``, or for tagging
+        every token's logits back in the padded layout ``[B, width, C]``."""
         heads = self.heads()
-        if self.kind == "token-classification":  # every token's logits, back in the padded layout [B, T, C]
-            tokens = torch.arange(x.shape[0], device=device)
+        n_rows = batch.row_slot.shape[0]
+        if self.kind == "token-classification":
+            tokens = torch.arange(x.shape[0], device=x.device)
             logits = PackedBert.tag(x, tokens, batch.tok_slot, heads)
             out = logits.new_zeros(n_rows * width, logits.shape[1])
             out = out.index_copy(0, batch.seg * width + batch.pos, logits)
             return out.view(n_rows, width, -1)
         return self.packed.pool(x, batch, heads, banks)[:, self.packed.hidden :]
+
+    def joint_key(self) -> tuple[int, float, float, bool]:
+        """Models with equal keys encode their rows together (``joint_forward``): the same frozen weights, dropout
+        rates and mode."""
+        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training
 
     @torch.no_grad()
     def task_model(self, run: int) -> TaskModel:
@@ -152,3 +179,65 @@ class PackedTaskModel(nn.Module):
         head.weight.copy_(weight)
         head.bias.copy_(self.head_biases[run])
         return TaskModel(encoder, head, self.kind, self.pooling).eval()
+
+
+Part = tuple[PackedTaskModel, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
+    """Logits of several packed task models (several jobs' runs) whose rows go through one packed encode.
+
+    Each part is ``(model, input_ids, attention_mask, token_type_ids, run)`` as ``PackedTaskModel.forward`` takes
+    them; every model must have the same ``joint_key()`` (one ``PackedBert``: the same frozen weights). The models'
+    bias banks are stacked, each model's run indices shifted past the runs of the models before it, so every row
+    meets exactly its own run's biases: the result, and its gradients, are each model's own forward's (the dropout
+    masks aside, which are drawn for the joint stream). Each model's heads then run on its own rows' tokens."""
+    if not parts:
+        return []
+    first = parts[0][0]
+    if any(model.joint_key() != first.joint_key() for model, *_ in parts):
+        raise ValueError("joint_forward needs models over one PackedBert, at one dropout and mode")
+    packed_bert = first.packed
+    packs = [model.pack(ids, mask, types, run) for model, ids, mask, types, run in parts]
+    all_banks = [model.banks() for model, *_ in parts]
+    if len(parts) == 1:
+        joint, lengths = packs[0]
+        banks = all_banks[0]
+    else:
+        slot_off, row_off, tok_off = 0, 0, 0
+        fields: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "types", "pos", "tok_slot", "seg", "row_slot")}
+        cus, modes = [packs[0][0].cu[:1]], []
+        lengths = []
+        for (model, *_), (b, row_lengths) in zip(parts, packs, strict=True):
+            fields["ids"].append(b.ids)
+            fields["types"].append(b.types)
+            fields["pos"].append(b.pos)
+            fields["tok_slot"].append(b.tok_slot + slot_off)
+            fields["seg"].append(b.seg + row_off)
+            fields["row_slot"].append(b.row_slot + slot_off)
+            cus.append(b.cu[1:] + tok_off)
+            modes.append(b.row_mode)
+            lengths += row_lengths
+            slot_off, row_off, tok_off = slot_off + model.runs, row_off + len(row_lengths), tok_off + sum(row_lengths)
+        joint = PackedBatch(
+            **{k: torch.cat(v) for k, v in fields.items()},
+            cu=torch.cat(cus),
+            row_mode=torch.cat(modes),
+            max_len=max(lengths),
+        )
+        # the encoder's banks only (the pooler's is each model's own, used by its pooling below)
+        banks = {k: torch.cat([b[k] for b in all_banks]) for k in all_banks[0] if k != "pooler"}
+    add_exact_attention(joint, lengths)
+    x = packed_bert.encode(
+        joint,
+        "exact",
+        banks=banks,
+        hidden_dropout=first.hidden_dropout if first.training else 0.0,
+        attention_dropout=first.attention_dropout if first.training else 0.0,
+    )
+    out, start = [], 0
+    for (model, ids, *_), (b, row_lengths), model_banks in zip(parts, packs, all_banks, strict=True):
+        n = sum(row_lengths)
+        out.append(model.logits(x[start : start + n], b, model_banks, ids.shape[1]))
+        start += n
+    return out

@@ -11,7 +11,7 @@ from torch import nn
 
 from patches.bitfit import bias_parameters, target_names
 from patches.model import TaskModel
-from patches.packed_model import PackedTaskModel
+from patches.packed_model import PackedTaskModel, joint_forward, training_bert
 from tests.test_trainer import _config, _data
 from trainer.train import Features, _set_dropout, collate, featurize, loss_fn, train_patch
 
@@ -132,6 +132,48 @@ def test_runs_in_one_batch_keep_to_their_own_biases_and_leave_the_encoder_alone(
     assert packed.run_parameters(0)[1][0].grad is not None
     head_grad = packed.run_parameters(1)[1][0].grad
     assert head_grad is None or not head_grad.any()
+
+
+def test_models_of_several_jobs_encode_together_as_each_would_alone(tiny_encoder):
+    """Three jobs' models (a classifier, a pooler regressor, a tagger; 2, 1 and 3 runs) over one training_bert: the
+    joint forward gives each model its own forward's logits, and the summed losses each run's own gradients."""
+    encoder = _perturbed(tiny_encoder.model, seed=2)
+    shared = training_bert(encoder)
+    jobs = [("classification", "mean", "all", 3, 2), ("regression", "pooler", "all", 1, 1)]
+    jobs.append(("token-classification", "cls", "query-intermediate", 4, 3))
+    models, batches, runs = [], [], []
+    g = torch.Generator().manual_seed(7)
+    for j, (kind, pooling, subset, n_out, n_runs) in enumerate(jobs):
+        heads = []
+        for r in range(n_runs):
+            torch.manual_seed(10 * j + r)
+            heads.append(nn.Linear(tiny_encoder.hidden_size, n_out))
+        model = PackedTaskModel(encoder, heads, kind, pooling, target_names(encoder, subset), packed=shared)
+        with torch.no_grad():
+            for r in range(n_runs):
+                for p in model.run_biases_of(r):
+                    p.add_(0.2 * torch.randn(p.shape, generator=g))
+        models.append(model.train())
+        batches.append(_batch(tiny_encoder.tokenizer, kind, n_out, seed=j))
+        runs.append(torch.arange(len(SENTENCES)) % n_runs)
+    parts = [(m, b["input_ids"], b["attention_mask"], b["token_type_ids"], r) for m, b, r in zip(models, batches, runs)]
+    together = joint_forward(parts)
+    sum(loss_fn(m.kind, out, b["labels"]) for m, out, b in zip(models, together, batches)).backward()
+    joint_grads = [[p.grad.clone() if p.grad is not None else None for p in m.parameters()] for m in models]
+    for m, out, b, part, grads in zip(models, together, batches, parts, joint_grads, strict=True):
+        m.zero_grad(set_to_none=True)
+        alone = m(*part[1:])
+        torch.testing.assert_close(out, alone, rtol=0, atol=1e-5)
+        loss_fn(m.kind, alone, b["labels"]).backward()
+        for p, joint_grad in zip(m.parameters(), grads, strict=True):
+            want = torch.zeros_like(p) if p.grad is None else p.grad
+            got = torch.zeros_like(p) if joint_grad is None else joint_grad
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="one PackedBert"):  # a model over its own PackedBert cannot join
+        own = PackedTaskModel(encoder, [nn.Linear(tiny_encoder.hidden_size, 2)], "classification", "mean", [])
+        joint_forward([parts[0], (own.train(), *parts[0][1:4], None)])
+    with pytest.raises(ValueError, match="training_bert"):
+        PackedTaskModel(tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 2)], "regression", "mean", [], packed=shared)
 
 
 def test_dropout_is_applied_in_training_only(tiny_encoder):
