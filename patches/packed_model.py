@@ -149,9 +149,7 @@ class PackedTaskModel(nn.Module):
         )
         return batch, row_lengths
 
-    def logits(
-        self, x: torch.Tensor, batch: PackedBatch, banks: dict[str, torch.Tensor], width: int
-    ) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, batch: PackedBatch, banks: dict[str, torch.Tensor], width: int) -> torch.Tensor:
         """The heads over encoded tokens ``x`` of ``batch`` (this model's rows only): ``[B, C]``, or for tagging
         every token's logits back in the padded layout ``[B, width, C]``."""
         heads = self.heads()

@@ -156,9 +156,12 @@ def test_models_of_several_jobs_encode_together_as_each_would_alone(tiny_encoder
         models.append(model.train())
         batches.append(_batch(tiny_encoder.tokenizer, kind, n_out, seed=j))
         runs.append(torch.arange(len(SENTENCES)) % n_runs)
-    parts = [(m, b["input_ids"], b["attention_mask"], b["token_type_ids"], r) for m, b, r in zip(models, batches, runs)]
+    parts = [
+        (m, b["input_ids"], b["attention_mask"], b["token_type_ids"], r)
+        for m, b, r in zip(models, batches, runs, strict=True)
+    ]
     together = joint_forward(parts)
-    sum(loss_fn(m.kind, out, b["labels"]) for m, out, b in zip(models, together, batches)).backward()
+    sum(loss_fn(m.kind, out, b["labels"]) for m, out, b in zip(models, together, batches, strict=True)).backward()
     joint_grads = [[p.grad.clone() if p.grad is not None else None for p in m.parameters()] for m in models]
     for m, out, b, part, grads in zip(models, together, batches, parts, joint_grads, strict=True):
         m.zero_grad(set_to_none=True)
@@ -173,7 +176,9 @@ def test_models_of_several_jobs_encode_together_as_each_would_alone(tiny_encoder
         own = PackedTaskModel(encoder, [nn.Linear(tiny_encoder.hidden_size, 2)], "classification", "mean", [])
         joint_forward([parts[0], (own.train(), *parts[0][1:4], None)])
     with pytest.raises(ValueError, match="training_bert"):
-        PackedTaskModel(tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 2)], "regression", "mean", [], packed=shared)
+        PackedTaskModel(
+            tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 2)], "regression", "mean", [], packed=shared
+        )
 
 
 def test_dropout_is_applied_in_training_only(tiny_encoder):

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from patches.jobs import JobError, JobLimits, JobQueue, JobStateError
@@ -495,6 +496,132 @@ def test_a_worker_given_sigterm_hands_its_job_back_at_once(redis_ns, tiny_bert_d
         assert main(["jobs", "cancel"]) == 2
     finally:
         monkey.undo()
+
+
+def _kind_files(kind: str, n_train: int = 120, n_dev: int = 40, seed: int = 1):
+    return {
+        "train": ("train.jsonl", _jsonl(synthetic_rows(kind, n_train, seed=seed))),
+        "dev": ("dev.jsonl", _jsonl(synthetic_rows(kind, n_dev, seed=seed + 100))),
+    }
+
+
+def _pending(queue) -> int:
+    return queue.r.xpending(queue.keys.job_stream, "patchserve-workers")["pending"]
+
+
+def test_concurrent_jobs_train_in_one_batch_each_as_it_would_alone(redis_ns, tiny_encoder):
+    """--concurrent-jobs 2: a long job and a short one of another kind train together; when the short one leaves,
+    a job submitted later joins the long one. Each registers once, a patch equal to the same job trained alone."""
+    from patches.data import job_splits
+    from patches.jobs import TrainConfig
+    from trainer.train import train_patch
+
+    _url, reg, queue = redis_ns
+    plain = CONFIG | {"dropout": 0.0, "eval_every": 10, "min_steps": 30}  # no dropout: runs are reproducible
+    specs = {
+        "long": (plain | {"task": "long", "min_steps": 900, "eval_every": 100}, _kind_files("classification")),
+        "short": (plain | {"task": "short", "pooling": "cls"}, _kind_files("regression", seed=3)),
+        "later": (plain | {"task": "later", "lr": 3e-3}, _kind_files("classification", seed=5)),
+    }
+    jobs = {name: queue.submit(*specs[name]) for name in ("long", "short")}
+    stop = threading.Event()
+    worker = Worker(queue, reg, tiny_encoder, name="pair", block_s=0.2, concurrent_jobs=2)
+    thread = threading.Thread(target=worker.run, kwargs={"stop": stop, "max_jobs": 3})
+    thread.start()
+    try:
+        _wait(lambda: queue.get(jobs["short"].id).status == "succeeded", what="the short job")
+        assert queue.get(jobs["long"].id).status == "running"
+        jobs["later"] = queue.submit(*specs["later"])
+        _wait(lambda: all(queue.get(j.id).status not in ("queued", "running") for j in jobs.values()), 120, "all")
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    done = {name: queue.get(j.id) for name, j in jobs.items()}
+    assert all(d.status == "succeeded" for d in done.values()), {n: d.error for n, d in done.items()}
+    assert all(d.worker == "pair" and d.attempts == 1 for d in done.values())
+    # they overlapped: the short job and the later one each trained while the long one did
+    for name in ("short", "later"):
+        assert done[name].started_at < done["long"].finished_at and done["long"].started_at < done[name].finished_at
+    assert done["long"].result["steps"] == 900
+    assert sorted(reg.tasks()) == ["later", "long", "short"] and _pending(queue) == 0
+    for name, (config, files) in specs.items():
+        assert [v.version for v in reg.versions(name)] == [1]
+        splits = job_splits(files, seed=config.get("seed", 0))
+        alone = train_patch(tiny_encoder, splits.train, splits.dev, TrainConfig.from_dict(config)).patch
+        _, patch = reg.get(name)
+        assert alone is not None
+        for bias, value in alone.biases.items():
+            torch.testing.assert_close(patch.biases[bias], value, rtol=0, atol=1e-4, msg=f"{name} {bias}")
+        torch.testing.assert_close(patch.head_weight, alone.head_weight, rtol=0, atol=1e-4, msg=name)
+
+
+def test_concurrent_jobs_cancel_alone_and_hand_back_together(redis_ns, tiny_encoder):
+    """Three jobs in one batch: cancelling one ends it and leaves the others training; a stop hands the others back
+    (not counted as attempts), and a worker that takes them registers each once."""
+    _url, reg, queue = redis_ns
+    long = CONFIG | {"min_steps": 50_000, "eval_every": 1000}
+    jobs = [queue.submit(long | {"task": f"t{i}"}, _files()) for i in range(3)]
+    stop = threading.Event()
+    worker = Worker(queue, reg, tiny_encoder, name="trio", block_s=0.2, concurrent_jobs=3)
+    thread = threading.Thread(target=worker.run, kwargs={"stop": stop})
+    thread.start()
+    try:
+        _wait(lambda: all(queue.get(j.id).progress.get("step", 0) >= 20 for j in jobs), what="three jobs training")
+        queue.cancel(jobs[1].id)
+        _wait(lambda: queue.get(jobs[1].id).status == "cancelled", what="the cancelled job to end")
+        steps = [queue.get(j.id).progress["step"] for j in (jobs[0], jobs[2])]
+        _wait(
+            lambda: all(queue.get(j.id).progress["step"] > s for j, s in zip((jobs[0], jobs[2]), steps, strict=True)),
+            what="the other two to train on",
+        )
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert queue.get(jobs[1].id).error.startswith("cancelled at update ")
+    for job in (jobs[0], jobs[2]):
+        back = queue.get(job.id)
+        assert back.status == "queued" and back.attempts == 0 and back.worker is None
+        queue.update(job.id, config=CONFIG | {"task": back.task})
+    assert _pending(queue) == 0 and reg.tasks() == []
+    assert Worker(queue, reg, tiny_encoder, name="next", block_s=0.2, concurrent_jobs=3).run(max_jobs=2) == 2
+    assert sorted(reg.tasks()) == ["t0", "t2"]
+    assert all(queue.get(j.id).status == "succeeded" and queue.get(j.id).attempts == 1 for j in (jobs[0], jobs[2]))
+    assert [v.version for v in reg.versions("t0")] == [1] and _pending(queue) == 0
+
+
+def test_a_killed_worker_with_concurrent_jobs_loses_none_and_registers_each_once(redis_ns, tiny_bert_dir, tiny_encoder):
+    """kill -9 of `patchserve worker --concurrent-jobs 2` while two jobs train: both are retried by another worker
+    once their lease runs out and registered exactly once."""
+    url, reg, queue = redis_ns
+    exe = shutil.which("patchserve")
+    assert exe, "patchserve console script not installed"
+    jobs = [queue.submit(CONFIG | {"task": f"k{i}", "min_steps": 50_000, "eval_every": 1000}, _files()) for i in (0, 1)]
+    cmd = [exe, "worker", "--registry", url, "--model", str(tiny_bert_dir), "--name", "doomed", "--lease-s", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--concurrent-jobs", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
+    try:
+        _wait(lambda: all(queue.get(j.id).progress.get("step", 0) >= 20 for j in jobs), what="both jobs to train")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert all(queue.get(j.id).status == "running" for j in jobs) and reg.tasks() == []
+    for j in jobs:
+        queue.update(j.id, config=CONFIG | {"task": queue.get(j.id).task})
+    rescuer = Worker(queue, reg, tiny_encoder, name="rescuer", lease_s=1.0, block_s=0.3, concurrent_jobs=2)
+    assert rescuer.run(max_jobs=2) == 2
+    for j in jobs:
+        done = queue.get(j.id)
+        assert done.status == "succeeded" and done.attempts == 2 and done.worker == "rescuer", done.error
+    assert sorted(reg.tasks()) == ["k0", "k1"] and [v.version for v in reg.versions("k1")] == [1]
+    assert _pending(queue) == 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -259,6 +259,16 @@ def _queue_url(args: argparse.Namespace) -> str:
     return url
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return value
+
+
 def _worker(args: argparse.Namespace) -> int:
     import logging
     import signal
@@ -286,6 +296,7 @@ def _worker(args: argparse.Namespace) -> int:
         device=args.device,
         limits=JobLimits(max_updates=args.max_job_updates, max_seconds=args.max_job_seconds),
         alive_file=Path(args.alive_file) if args.alive_file else None,
+        concurrent_jobs=args.concurrent_jobs,
     )
     try:
         worker.run(stop, max_jobs=args.max_jobs)
@@ -391,10 +402,13 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "worker",
         help="train queued jobs and register the patches that pass their gate",
-        description="Claim training jobs from the Redis queue one at a time (several workers may "
-        "share a queue), train, evaluate, register the patch if it passes the job's gate, ack. A "
+        description="Claim training jobs from the Redis queue (several workers may share a queue), train, "
+        "evaluate, register the patch if it passes the job's gate, ack. With --concurrent-jobs K, up to K jobs "
+        "train at once in one batch over the shared encoder; each keeps its own progress, cancel, time limit, gate "
+        "and registration, a job that ends leaves without disturbing the others, and one claimed later joins at "
+        "the next update. A "
         "job of a worker that died is retried by another after --lease-s seconds. On SIGTERM the worker stops "
-        "training within a second or so, hands its job back to the queue (the next free worker takes it at once) "
+        "training within a second or so, hands its jobs back to the queue (the next free worker takes them at once) "
         "and exits.",
     )
     add_registry_option(p)
@@ -420,6 +434,15 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         help="a job whose worker sent no heartbeat for this long is given to another worker (default 60)",
     )
     p.add_argument("--max-attempts", type=int, default=3, help="give a job up after this many attempts (default 3)")
+    p.add_argument(
+        "--concurrent-jobs",
+        type=_positive_int,
+        default=os.environ.get("PATCHSERVE_CONCURRENT_JOBS") or "1",  # a string default: argparse checks it too
+        metavar="K",
+        help="train up to K queued jobs at once, their rows in one batch over the shared encoder (env "
+        "PATCHSERVE_CONCURRENT_JOBS; default 1). More jobs an hour on a GPU, where one job's batch leaves it "
+        "idle; each job takes longer, and its memory (its data, optimizer state, activations) is held at once",
+    )
     p.add_argument("--max-jobs", type=int, help="exit after this many jobs (default: run until stopped)")
     p.add_argument(
         "--max-job-updates",

@@ -37,8 +37,8 @@ from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
 from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel
-from patches.packed import packed_unsupported
-from patches.packed_model import PackedTaskModel
+from patches.packed import PackedBert, packed_unsupported
+from patches.packed_model import PackedTaskModel, Part, joint_forward
 from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
 
 IGNORE = -100
@@ -277,10 +277,16 @@ def _restore(model: TaskModel | PackedTaskModel, run: _Run, state: Any) -> None:
 
 
 def packed_task_model(
-    base: nn.Module, heads: Sequence[nn.Linear], kind: str, pooling: str, config: TrainConfig
+    base: nn.Module,
+    heads: Sequence[nn.Linear],
+    kind: str,
+    pooling: str,
+    config: TrainConfig,
+    packed: PackedBert | None = None,
 ) -> PackedTaskModel:
     """The packed model a BitFit job trains: ``heads`` (one per run) over ``base``, the config's biases trained, at
-    the config's dropout (None: the encoder's own rates)."""
+    the config's dropout (None: the encoder's own rates); ``packed``: a ``training_bert(base)`` shared with other
+    jobs' models, so that their rows encode together."""
     cfg: Any = getattr(base, "config", None)
     return PackedTaskModel(
         base,
@@ -290,188 +296,219 @@ def packed_task_model(
         target_names(base, config.bias_subset),
         hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
         attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
+        packed=packed,
     )
 
 
-def _train_runs(
-    encoder: Encoder,
-    train: list[Features],
-    dev: list[Features],
-    config: TrainConfig,
-    kind: str,
-    labels: Sequence[Label],
-    metric: str,
-    checkpoint: str,
-    pooling: str,
-    specs: Sequence[tuple[float, int]],
-    packed: bool,
-    on_progress: ProgressFn | None,
-    progress_every_s: float,
-    should_stop: StopFn,
-) -> tuple[TaskModel | PackedTaskModel, list[dict[str, Any]]]:
-    """Train the runs ``specs`` ((learning rate, seed) each) together: packed, every run's rows in one batch; or
-    padded, one run (a TaskModel on a copy of the encoder). Each run keeps the best dev checkpoint -- or with
-    ``checkpoint="last"`` the final one -- which is in the model when this returns; returns the model and each
-    run's history (``"run"``: its index in a PackedTaskModel).
+@dataclass
+class _Update:
+    """One update's rows of a run group: the runs in it, each run's span of rows, the padded batch."""
+
+    active: list[_Run]
+    spans: list[tuple[int, int]]
+    batch: dict[str, torch.Tensor]
+    run_of_row: torch.Tensor | None  # packed: each row's run
+
+
+class _RunGroup:
+    """Runs ``specs`` ((learning rate, seed) each) of one job that train together, an update at a time: packed,
+    every run's rows in one batch; or padded, one run (a TaskModel on a copy of the encoder). Each run keeps the
+    best dev checkpoint -- or with ``checkpoint="last"`` the final one -- which ``results()`` puts in the model.
 
     ``config`` is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
-    assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
-    if not packed and len(specs) != 1:
-        raise ValueError("the padded model trains one run at a time")
-    device = resolve_device(config.device)
-    n_out = 1 if kind == "regression" else len(labels)
-    heads = []
-    for _, seed in specs:  # each run's head starts where a run of its own would start it
-        torch.manual_seed(seed)
-        heads.append(nn.Linear(encoder.hidden_size, n_out))
-    model: TaskModel | PackedTaskModel
-    groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
-    if packed:
-        base = encoder.model
-        if next(base.parameters()).device != device:
-            base = copy.deepcopy(base).to(device)
-        model = packed_task_model(base, heads, kind, pooling, config)
-        groups = [model.run_parameters(r) for r in range(len(specs))]
-    else:
-        model = TaskModel(copy.deepcopy(encoder.model), heads[0], kind, pooling).to(device)
-        if config.dropout is not None:
-            _set_dropout(model.encoder, config.dropout)
-        groups = [trainable_parameters(model, config)]
-    steps_per_epoch = math.ceil(len(train) / config.batch_size)
-    total = config.planned_steps(len(train))
-    runs = []
-    for i, ((lr, seed), (encoder_params, head_params)) in enumerate(zip(specs, groups, strict=True)):
-        head_lr = config.head_lr or lr
-        param_groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
-        optimizer = torch.optim.AdamW(  # bias-corrected Adam
-            param_groups,
-            lr=lr,
-            weight_decay=config.weight_decay,
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
-        runs.append(_Run(i, seed, lr, head_lr, encoder_params + head_params, optimizer, scheduler, random.Random(seed)))
-    # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the epoch
-    # (and the evaluations) stretch with it, so patience always spans the same share of the run and cannot end
-    # it during the warm-up.
-    epoch_steps = max(steps_per_epoch, int(total / config.epochs))
-    eval_every = config.eval_every or max(1, min(1000, epoch_steps // 4))
-    pad_id = int(encoder.tokenizer.pad_token_id or 0)
-    desc = f"{config.task} {len(specs)} runs"
-    if len(specs) == 1:
-        desc = f"{config.task} seed={specs[0][1]} lr={specs[0][0]:g}"
-    bar = tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
-    model.train()
-    t0 = last_report = time.perf_counter()
-    step = 0
-    while step < total:
-        active = [r for r in runs if r.active]
-        if not active:
-            break
-        if should_stop():
-            bar.close()
-            raise TrainingStopped(step, total)
+
+    def __init__(
+        self,
+        job: PatchTraining,
+        specs: Sequence[tuple[float, int]],
+        packed: bool,
+    ) -> None:
+        config = job.config
+        assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
+        if not packed and len(specs) != 1:
+            raise ValueError("the padded model trains one run at a time")
+        self.job, self.config, self.patience = job, config, config.patience
+        encoder, kind = job.encoder, job.kind
+        device = resolve_device(config.device)
+        n_out = 1 if kind == "regression" else len(job.labels)
+        heads = []
+        for _, seed in specs:  # each run's head starts where a run of its own would start it
+            torch.manual_seed(seed)
+            heads.append(nn.Linear(encoder.hidden_size, n_out))
+        self.model: TaskModel | PackedTaskModel
+        groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
+        if packed:
+            base, shared = encoder.model, job.packed_bert
+            if next(base.parameters()).device != device:
+                base, shared = copy.deepcopy(base).to(device), None
+            self.model = packed_task_model(base, heads, kind, job.pooling, config, shared)
+            groups = [self.model.run_parameters(r) for r in range(len(specs))]
+        else:
+            self.model = TaskModel(copy.deepcopy(encoder.model), heads[0], kind, job.pooling).to(device)
+            if config.dropout is not None:
+                _set_dropout(self.model.encoder, config.dropout)
+            groups = [trainable_parameters(self.model, config)]
+        self.device = device
+        steps_per_epoch = math.ceil(len(job.train_f) / config.batch_size)
+        self.total = total = config.planned_steps(len(job.train_f))
+        self.runs: list[_Run] = []
+        for i, ((lr, seed), (encoder_params, head_params)) in enumerate(zip(specs, groups, strict=True)):
+            head_lr = config.head_lr or lr
+            param_groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
+            optimizer = torch.optim.AdamW(  # bias-corrected Adam
+                param_groups,
+                lr=lr,
+                weight_decay=config.weight_decay,
+            )
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total, int(config.warmup_ratio * total)))
+            params = encoder_params + head_params
+            self.runs.append(_Run(i, seed, lr, head_lr, params, optimizer, scheduler, random.Random(seed)))
+        # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the
+        # epoch (and the evaluations) stretch with it, so patience always spans the same share of the run and
+        # cannot end it during the warm-up.
+        epoch_steps = max(steps_per_epoch, int(total / config.epochs))
+        self.eval_every = config.eval_every or max(1, min(1000, epoch_steps // 4))
+        self.pad_id = job.pad_id
+        desc = f"{config.task} {len(specs)} runs"
+        if len(specs) == 1:
+            desc = f"{config.task} seed={specs[0][1]} lr={specs[0][0]:g}"
+        self.bar = tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
+        self.model.train()
+        self.step = 0
+        self.t0 = self.last_report = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total or not any(r.active for r in self.runs)
+
+    def next_update(self) -> _Update:
+        """The rows of the next update: a batch from each active run's own shuffled order."""
         rows: list[Features] = []
         spans = []
+        active = [r for r in self.runs if r.active]
         for r in active:
             if not r.order:
-                r.order = list(range(len(train)))
+                r.order = list(range(len(self.job.train_f)))
                 r.rng.shuffle(r.order)
-            idx, r.order = r.order[: config.batch_size], r.order[config.batch_size :]
+            idx, r.order = r.order[: self.config.batch_size], r.order[self.config.batch_size :]
             spans.append((len(rows), len(rows) + len(idx)))
-            rows += [train[i] for i in idx]
-        batch = collate(rows, pad_id, kind, device)
-        if isinstance(model, PackedTaskModel):
+            rows += [self.job.train_f[i] for i in idx]
+        batch = collate(rows, self.pad_id, self.job.kind, self.device)
+        run_of_row = None
+        if isinstance(self.model, PackedTaskModel):
             run_of_row = torch.tensor([r.index for r, (a, b) in zip(active, spans, strict=True) for _ in range(b - a)])
-            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run=run_of_row)
-        else:
-            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        losses = [loss_fn(kind, logits[a:b], batch["labels"][a:b]) for a, b in spans]
-        for r in active:
+        return _Update(active, spans, batch, run_of_row)
+
+    def part(self, u: _Update) -> Part:
+        """The update's rows as a ``joint_forward`` part (packed groups only)."""
+        assert isinstance(self.model, PackedTaskModel)
+        b = u.batch
+        return self.model, b["input_ids"], b["attention_mask"], b["token_type_ids"], u.run_of_row
+
+    def forward(self, u: _Update) -> torch.Tensor:
+        b = u.batch
+        if isinstance(self.model, PackedTaskModel):
+            return joint_forward([self.part(u)])[0]
+        return self.model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
+
+    def losses(self, logits: torch.Tensor, u: _Update) -> list[torch.Tensor]:
+        """Each active run's loss on its own rows."""
+        for r in u.active:
             r.optimizer.zero_grad(set_to_none=True)
-        (losses[0] if len(losses) == 1 else torch.stack(losses).sum()).backward()  # each run's own gradient
-        step += 1
-        for r, loss in zip(active, losses, strict=True):
+        return [loss_fn(self.job.kind, logits[a:b], u.batch["labels"][a:b]) for a, b in u.spans]
+
+    def apply(self, u: _Update, losses: list[torch.Tensor]) -> None:
+        """After the backward: step each run's optimizer, evaluate on dev when due (early stopping: a run whose
+        patience ran out leaves the batch), report progress. A stop asked during the evaluation raises
+        TrainingStopped."""
+        config, job = self.config, self.job
+        step = self.step = self.step + 1
+        for r, loss in zip(u.active, losses, strict=True):
             torch.nn.utils.clip_grad_norm_(r.params, config.max_grad_norm)
             r.optimizer.step()
             r.scheduler.step()
             value = loss.item()
             r.running = 0.9 * r.running + 0.1 * value if step > 1 else value
             r.steps = step
-        bar.update(1)
-        evaluated = step % eval_every == 0 or step == total
+        self.bar.update(1)
+        evaluated = step % self.eval_every == 0 or step == self.total
         if evaluated:
             try:
                 scores = evaluate_runs(
-                    model,
-                    dev,
-                    pad_id,
-                    labels,
-                    [r.index for r in active] if isinstance(model, PackedTaskModel) else None,
-                    should_stop=should_stop,
+                    self.model,
+                    job.dev_f,
+                    self.pad_id,
+                    job.labels,
+                    [r.index for r in u.active] if isinstance(self.model, PackedTaskModel) else None,
+                    should_stop=job.should_stop,
                 )
             except TrainingStopped:
-                bar.close()
-                raise TrainingStopped(step, total) from None
-            for r, metrics in zip(active, scores, strict=True):
-                r.last_dev, score = metrics, metrics[metric]
-                r.history.append({"step": step, "loss": r.running, f"dev_{metric}": score})
+                raise TrainingStopped(step, self.total) from None
+            for r, metrics in zip(u.active, scores, strict=True):
+                r.last_dev, score = metrics, metrics[job.metric]
+                r.history.append({"step": step, "loss": r.running, f"dev_{job.metric}": score})
                 # A tie goes to the later checkpoint: on a small dev set (26 rows score in steps of 4%) ties are
                 # common, and of two checkpoints the dev set cannot tell apart, the one trained longer is the
                 # better bet. Only a strict gain resets the patience.
                 r.bad_evals = 0 if score > r.best["score"] else r.bad_evals + 1
                 if score >= r.best["score"]:
-                    state = None if checkpoint == "last" else _snapshot(model, r)
+                    state = None if job.checkpoint == "last" else _snapshot(self.model, r)
                     r.best = {"score": score, "step": step, "metrics": metrics, "state": state}
                 r.last_eval = step
-                if r.bad_evals >= config.patience:  # early stopping: this run leaves the batch
+                if r.bad_evals >= self.patience:  # early stopping: this run leaves the batch
                     r.active = False
-                    r.seconds = time.perf_counter() - t0
-        lead = max(runs, key=lambda r: r.best["score"])  # a tie: the earlier run
+                    r.seconds = time.perf_counter() - self.t0
+        lead = max(self.runs, key=lambda r: r.best["score"])  # a tie: the earlier run
         if evaluated:
-            bar.set_postfix(loss=f"{lead.running:.4f}", dev=f"{lead.best['score']:.4f}", runs=len(active))
+            self.bar.set_postfix(loss=f"{lead.running:.4f}", dev=f"{lead.best['score']:.4f}", runs=len(u.active))
         # Reported at every evaluation and on a timer in between: the worker's lease heartbeat rides on this.
-        if on_progress is not None and (evaluated or time.perf_counter() - last_report >= progress_every_s):
-            last_report = time.perf_counter()
-            on_progress(
+        if job.on_progress is not None and (
+            evaluated or time.perf_counter() - self.last_report >= job.progress_every_s
+        ):
+            self.last_report = time.perf_counter()
+            job.on_progress(
                 {
                     "step": step,
-                    "total_steps": total,
+                    "total_steps": self.total,
                     "loss": lead.running,
                     "dev": lead.last_dev,
                     "seed": lead.seed,
                     "lr": lead.lr,
-                    "runs": len(runs),
-                    "active_runs": sum(r.active for r in runs),
+                    "runs": len(self.runs),
+                    "active_runs": sum(r.active for r in self.runs),
                 }
             )
-    bar.close()
-    results = []
-    for r in runs:
-        if r.active:
-            r.seconds = time.perf_counter() - t0
-        if checkpoint == "best":
-            _restore(model, r, r.best["state"])  # best-checkpoint restore
-            kept_dev, kept_step = r.best["metrics"], r.best["step"]
-        else:  # the run always ends on an evaluation (the last update, or the one that exhausted the patience)
-            assert r.last_dev is not None
-            kept_dev, kept_step = r.last_dev, r.last_eval
-        results.append(
-            {
-                "run": r.index,
-                "seed": r.seed,
-                "lr": r.lr,
-                "head_lr": r.head_lr,
-                "best_dev": kept_dev,
-                "best_step": kept_step,
-                "steps": r.steps,
-                "planned_steps": total,
-                "seconds": r.seconds,
-                "history": r.history,
-                "trainable_params": sum(p.numel() for p in r.params),
-            }
-        )
-    model.eval()
-    return model, results
+
+    def results(self) -> list[dict[str, Any]]:
+        """Each run's history (``"run"``: its index in a PackedTaskModel), its kept checkpoint restored."""
+        self.bar.close()
+        results = []
+        for r in self.runs:
+            if r.active:
+                r.seconds = time.perf_counter() - self.t0
+            if self.job.checkpoint == "best":
+                _restore(self.model, r, r.best["state"])  # best-checkpoint restore
+                kept_dev, kept_step = r.best["metrics"], r.best["step"]
+            else:  # the run always ends on an evaluation (the last update, or the one that exhausted the patience)
+                assert r.last_dev is not None
+                kept_dev, kept_step = r.last_dev, r.last_eval
+            results.append(
+                {
+                    "run": r.index,
+                    "seed": r.seed,
+                    "lr": r.lr,
+                    "head_lr": r.head_lr,
+                    "best_dev": kept_dev,
+                    "best_step": kept_step,
+                    "steps": r.steps,
+                    "planned_steps": self.total,
+                    "seconds": r.seconds,
+                    "history": r.history,
+                    "trainable_params": sum(p.numel() for p in r.params),
+                }
+            )
+        self.model.eval()
+        return results
 
 
 def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, float]]:
@@ -486,6 +523,259 @@ def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, fl
         delta = (now[name].detach().cpu().float() - then[name].detach().cpu().float()).abs().mean()
         out.setdefault(role.role, {})["-" if role.layer is None else str(role.layer)] = float(delta)
     return out
+
+
+class PatchTraining:
+    """One job's training, an update at a time: what ``train_patch`` does, in pieces, so that several jobs can
+    train in one batch (``JointTrainer``). ``finish()`` builds the result once every run has trained.
+
+    Arguments as ``train_patch``'s; ``packed_bert``: a ``training_bert(encoder.model)`` shared by the trainings that
+    should encode together (each builds its own without one)."""
+
+    def __init__(
+        self,
+        encoder: Encoder,
+        train: Dataset,
+        dev: Dataset,
+        config: TrainConfig,
+        *,
+        test: Dataset | None = None,
+        on_progress: ProgressFn | None = None,
+        progress_every_s: float = 2.0,
+        should_stop: StopFn = _never,
+        packed: bool | None = None,
+        packed_bert: PackedBert | None = None,
+    ) -> None:
+        self.t0 = time.perf_counter()
+        kind, labels = train.kind, train.labels
+        if dev.kind != kind or (test is not None and test.kind != kind):
+            raise ValueError(f"train is {kind} but dev/test are {dev.kind}/{test.kind if test else '-'}; use one kind")
+        pooling = config.pooling or encoder.default_pooling
+        if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
+            raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
+        self.encoder, self.kind, self.labels, self.pooling = encoder, kind, labels, pooling
+        self.train, self.dev, self.test = train, dev, test
+        self.metric = config.selection_metric(kind, labels)
+        self.max_len = min(config.max_seq_length, encoder.max_positions)
+        tok = encoder.tokenizer
+        self.pad_id = int(tok.pad_token_id or 0)
+        self.train_f, self.dev_f = (
+            featurize(tok, train, labels, self.max_len),
+            featurize(tok, dev, labels, self.max_len),
+        )
+        restarts = config.restarts_for(len(train))
+        self.restarts_why = (
+            f"set: restarts={restarts}"
+            if config.restarts is not None
+            else f"automatic: {len(train)} training rows are {'under' if restarts > 1 else 'at least'} "
+            f"{SMALL_DATA_ROWS}, so {restarts} seed(s)"
+        )
+        checkpoint = config.checkpoint_for(len(dev))
+        self.checkpoint_why = (
+            f"set: checkpoint={checkpoint}"
+            if config.checkpoint is not None
+            else f"automatic: a dev set of {len(dev)} rows "
+            + (
+                f"(under {SMALL_DEV_ROWS}) cannot rank checkpoints, so the last one is kept"
+                if checkpoint == "last"
+                else "ranks checkpoints, so the best one is kept"
+            )
+        )
+        self.config = config = replace(config.resolved(), restarts=restarts, checkpoint=checkpoint)
+        self.checkpoint: str = checkpoint
+        assert config.lr is not None
+        unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(encoder.model)
+        if packed and unsupported:
+            raise ValueError(f"packed training is not possible: {unsupported}")
+        self.packed = unsupported is None if packed is None else packed
+        self.packed_bert = packed_bert if self.packed else None
+        self.lrs = config.lr_search or [config.lr]
+        specs = [(lr, config.seed + r) for lr in self.lrs for r in range(restarts)]
+        self._queued = [specs] if self.packed else [[spec] for spec in specs]  # run groups still to train
+        self._group: _RunGroup | None = None
+        self.on_progress, self.progress_every_s, self.should_stop = on_progress, progress_every_s, should_stop
+        self._models: list[TaskModel | PackedTaskModel] = []  # the model of each run
+        self._runs: list[dict[str, Any]] = []
+
+    def group(self) -> _RunGroup | None:
+        """The run group that trains now (None: every run has trained). Padded training trains its runs one after
+        another, each its own group."""
+        while self._group is None or self._group.done:
+            if self._group is not None:
+                results = self._group.results()
+                self._models += [self._group.model] * len(results)
+                self._runs += results
+                self._group = None
+            if not self._queued:
+                return None
+            self._group = _RunGroup(self, self._queued.pop(0), self.packed)
+        return self._group
+
+    def close(self) -> None:
+        """Release the progress bar of a training that ends without finishing."""
+        if self._group is not None:
+            self._group.bar.close()
+
+    def finish(self) -> TrainResult:
+        """The result, once ``group()`` is None: the best run chosen on dev, the test set scored, the patch built.
+        A stop asked while the test set is scored raises TrainingStopped."""
+        assert self.group() is None, "finish() before every run has trained"
+        config, runs, models, metric = self.config, self._runs, self._models, self.metric
+        best_index = max(range(len(runs)), key=lambda i: runs[i]["best_dev"][metric])  # a tie: the earlier run, the
+        best = runs[best_index]  # seed asked for
+        chosen = models[best_index]
+        model = chosen.task_model(best["run"]) if isinstance(chosen, PackedTaskModel) else chosen
+        if isinstance(chosen, PackedTaskModel) and config.dropout is not None:
+            _set_dropout(model.encoder, config.dropout)  # the rate it trained with, as the padded model has it
+        train, dev, test, encoder = self.train, self.dev, self.test, self.encoder
+        report: dict[str, Any] = {
+            "task": config.task,
+            "kind": self.kind,
+            "mode": "full" if config.full else "bitfit",
+            "bias_subset": None if config.full else config.bias_subset,
+            "pooling": self.pooling,
+            "labels": self.labels,
+            "encoder": {"name": encoder.name, "fingerprint": encoder.fingerprint},
+            "train_rows": len(train),
+            "dev_rows": len(dev),
+            "test_rows": len(test) if test else 0,
+            "lr": best["lr"],
+            "head_lr": best["head_lr"],
+            "seed": best["seed"],
+            "steps": best["steps"],
+            "planned_steps": best["planned_steps"],
+            "best_step": best["best_step"],
+            "trainable_params": best["trainable_params"],
+            "total_params": sum(p.numel() for p in model.parameters()),
+            "metric": metric,
+            "dev": best["best_dev"],
+            "selection": {
+                "metric": metric,
+                "restarts": config.restarts,
+                "restarts_why": self.restarts_why,
+                "checkpoint": self.checkpoint,
+                "checkpoint_why": self.checkpoint_why,
+                "learning_rates": self.lrs,
+                "tried": len(runs),
+            },
+            "seconds": time.perf_counter() - self.t0,
+            "forward": "packed" if self.packed else "padded",
+            "history": best["history"],
+            "runs": [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs],
+            "config": asdict(config),
+        }
+        if test is not None:  # every run is scored, so the report shows what the restarts bought; the best one is
+            test_f = featurize(encoder.tokenizer, test, self.labels, self.max_len)  # chosen on dev alone all the same
+            stop = self.should_stop
+            try:
+                if self.packed:  # every run in one pass
+                    which = [r["run"] for r in runs]
+                    scores = evaluate_runs(models[0], test_f, self.pad_id, self.labels, which, should_stop=stop)
+                else:
+                    scores = [evaluate(m, test_f, self.pad_id, self.labels, should_stop=stop) for m in models]
+                for shown_run, score in zip(report["runs"], scores, strict=True):
+                    shown_run["test"] = score
+            except TrainingStopped:
+                raise TrainingStopped(best["steps"], best["planned_steps"]) from None
+            report["test"] = report["runs"][best_index]["test"]
+        report["bias_movement"] = bias_movement(model.encoder, encoder.model)
+        del models, chosen  # the other runs' models
+        self._models = []
+        if config.full:
+            return TrainResult(None, report, model)
+        metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}
+        metrics.update({f"test_{k}": v for k, v in report.get("test", {}).items()})
+        meta = PatchMeta(
+            task=config.task,
+            kind=self.kind,
+            labels=self.labels if self.kind != "regression" else [],
+            base=BaseRef(encoder.name, encoder.fingerprint),
+            bias_subset=config.bias_subset,
+            pooling=self.pooling,
+            max_seq_length=self.max_len,
+            text_pair=train.is_pair,
+            metrics=metrics,
+            training={
+                k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params", "metric")
+            }
+            | {"restarts": config.restarts},
+        )
+        patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
+        return TrainResult(patch, report, model)
+
+
+class JointTrainer:
+    """Trains several jobs (``PatchTraining``) together, one update of each per ``step()``.
+
+    The packed groups over one ``training_bert`` (at one dropout) put their rows through one packed encode
+    (``joint_forward``); the rest run their own forward. One backward then gives every run its own gradients: a
+    row touches only its own run's biases and head. Each job keeps its own steps, optimizers, schedule, early
+    stopping, progress and stop: a job that finishes, fails or is stopped leaves at the end of a step without
+    disturbing the others, and a job added between steps joins at the next one."""
+
+    def __init__(self, trainings: Sequence[PatchTraining] = ()) -> None:
+        self.trainings: list[PatchTraining] = list(trainings)
+
+    def add(self, training: PatchTraining) -> None:
+        self.trainings.append(training)
+
+    def __len__(self) -> int:
+        return len(self.trainings)
+
+    def step(self) -> list[tuple[PatchTraining, Exception | None]]:
+        """One update of every job; returns the jobs that left, each with None (every run trained: call
+        ``finish()``) or what ended it (TrainingStopped when its ``should_stop`` said so, or the error)."""
+        ended: dict[int, tuple[PatchTraining, Exception | None]] = {}
+        live: list[tuple[int, _RunGroup, _Update]] = []
+        for i, t in enumerate(self.trainings):
+            try:
+                group = t.group()
+                if group is None:
+                    ended[i] = (t, None)
+                    continue
+                if t.should_stop():
+                    raise TrainingStopped(group.step, group.total)
+                live.append((i, group, group.next_update()))
+            except Exception as exc:
+                ended[i] = (t, exc)
+        together: dict[Any, list[tuple[int, _RunGroup, _Update]]] = {}
+        for item in live:
+            model = item[1].model
+            key = model.joint_key() if isinstance(model, PackedTaskModel) else ("alone", item[0])
+            together.setdefault(key, []).append(item)
+        losses: dict[int, list[torch.Tensor]] = {}
+        for items in together.values():
+            try:
+                if isinstance(items[0][1].model, PackedTaskModel):
+                    outputs = joint_forward([group.part(u) for _, group, u in items])
+                else:
+                    outputs = [items[0][1].forward(items[0][2])]
+            except Exception as exc:  # a shared forward: every job in it fails alike
+                ended.update({i: (self.trainings[i], exc) for i, _, _ in items})
+                continue
+            for (i, group, u), logits in zip(items, outputs, strict=True):
+                try:
+                    losses[i] = group.losses(logits, u)
+                except Exception as exc:
+                    ended[i] = (self.trainings[i], exc)
+        if losses:
+            flat = [loss for job_losses in losses.values() for loss in job_losses]
+            try:
+                (flat[0] if len(flat) == 1 else torch.stack(flat).sum()).backward()  # each run's own gradient
+            except Exception as exc:
+                ended.update({i: (self.trainings[i], exc) for i in losses})
+        for i, group, u in live:
+            if i in ended:
+                continue
+            try:
+                group.apply(u, losses[i])
+            except Exception as exc:
+                ended[i] = (self.trainings[i], exc)
+        for t, error in ended.values():
+            if error is not None:
+                t.close()
+        self.trainings = [t for i, t in enumerate(self.trainings) if i not in ended]
+        return list(ended.values())
 
 
 def train_patch(
@@ -509,143 +799,20 @@ def train_patch(
     every update and between evaluation batches; when it says so, TrainingStopped is raised (a cancelled job, a
     worker shutting down, a job over its time limit).
     """
-    kind, labels = train.kind, train.labels
-    if dev.kind != kind or (test is not None and test.kind != kind):
-        raise ValueError(f"train is {kind} but dev/test are {dev.kind}/{test.kind if test else '-'}; use one kind")
-    pooling = config.pooling or encoder.default_pooling
-    if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
-        raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
-    metric = config.selection_metric(kind, labels)
-    max_len = min(config.max_seq_length, encoder.max_positions)
-    tok = encoder.tokenizer
-    train_f, dev_f = featurize(tok, train, labels, max_len), featurize(tok, dev, labels, max_len)
-    restarts = config.restarts_for(len(train))
-    why = (
-        f"set: restarts={restarts}"
-        if config.restarts is not None
-        else f"automatic: {len(train)} training rows are {'under' if restarts > 1 else 'at least'} "
-        f"{SMALL_DATA_ROWS}, so {restarts} seed(s)"
+    training = PatchTraining(
+        encoder,
+        train,
+        dev,
+        config,
+        test=test,
+        on_progress=on_progress,
+        progress_every_s=progress_every_s,
+        should_stop=should_stop,
+        packed=packed,
     )
-    checkpoint = config.checkpoint_for(len(dev))
-    kept_why = (
-        f"set: checkpoint={checkpoint}"
-        if config.checkpoint is not None
-        else f"automatic: a dev set of {len(dev)} rows "
-        + (
-            f"(under {SMALL_DEV_ROWS}) cannot rank checkpoints, so the last one is kept"
-            if checkpoint == "last"
-            else "ranks checkpoints, so the best one is kept"
-        )
-    )
-    config = replace(config.resolved(), restarts=restarts, checkpoint=checkpoint)
-    assert config.lr is not None
-    unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(encoder.model)
-    if packed and unsupported:
-        raise ValueError(f"packed training is not possible: {unsupported}")
-    packed = unsupported is None if packed is None else packed
-    lrs = config.lr_search or [config.lr]
-    specs = [(lr, config.seed + r) for lr in lrs for r in range(restarts)]
-    t0 = time.perf_counter()
-
-    def train_runs(group: Sequence[tuple[float, int]]) -> tuple[TaskModel | PackedTaskModel, list[dict[str, Any]]]:
-        return _train_runs(
-            encoder,
-            train_f,
-            dev_f,
-            config,
-            kind,
-            labels,
-            metric,
-            checkpoint,
-            pooling,
-            group,
-            packed,
-            on_progress,
-            progress_every_s,
-            should_stop,
-        )
-
-    models: list[TaskModel | PackedTaskModel] = []  # the model of each run
-    runs: list[dict[str, Any]] = []
-    for group in [specs] if packed else [[spec] for spec in specs]:
-        trained, results = train_runs(group)
-        models += [trained] * len(results)
-        runs += results
-    best_index = max(range(len(runs)), key=lambda i: runs[i]["best_dev"][metric])  # a tie: the earlier run, the
-    best = runs[best_index]  # seed asked for
-    chosen = models[best_index]
-    model = chosen.task_model(best["run"]) if isinstance(chosen, PackedTaskModel) else chosen
-    if isinstance(chosen, PackedTaskModel) and config.dropout is not None:
-        _set_dropout(model.encoder, config.dropout)  # the rate it trained with, as the padded model has it
-    report: dict[str, Any] = {
-        "task": config.task,
-        "kind": kind,
-        "mode": "full" if config.full else "bitfit",
-        "bias_subset": None if config.full else config.bias_subset,
-        "pooling": pooling,
-        "labels": labels,
-        "encoder": {"name": encoder.name, "fingerprint": encoder.fingerprint},
-        "train_rows": len(train),
-        "dev_rows": len(dev),
-        "test_rows": len(test) if test else 0,
-        "lr": best["lr"],
-        "head_lr": best["head_lr"],
-        "seed": best["seed"],
-        "steps": best["steps"],
-        "planned_steps": best["planned_steps"],
-        "best_step": best["best_step"],
-        "trainable_params": best["trainable_params"],
-        "total_params": sum(p.numel() for p in model.parameters()),
-        "metric": metric,
-        "dev": best["best_dev"],
-        "selection": {
-            "metric": metric,
-            "restarts": restarts,
-            "restarts_why": why,
-            "checkpoint": checkpoint,
-            "checkpoint_why": kept_why,
-            "learning_rates": lrs,
-            "tried": len(runs),
-        },
-        "seconds": time.perf_counter() - t0,
-        "forward": "packed" if packed else "padded",
-        "history": best["history"],
-        "runs": [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs],
-        "config": asdict(config),
-    }
-    if test is not None:  # every run is scored, so the report shows what the restarts bought; the best one is chosen
-        test_f = featurize(tok, test, labels, max_len)  # on dev alone all the same
-        pad_id = int(tok.pad_token_id or 0)
-        try:
-            if packed:  # every run in one pass
-                scores = evaluate_runs(
-                    models[0], test_f, pad_id, labels, [r["run"] for r in runs], should_stop=should_stop
-                )
-            else:
-                scores = [evaluate(m, test_f, pad_id, labels, should_stop=should_stop) for m in models]
-            for shown_run, score in zip(report["runs"], scores, strict=True):
-                shown_run["test"] = score
-        except TrainingStopped:
-            raise TrainingStopped(best["steps"], best["planned_steps"]) from None
-        report["test"] = report["runs"][best_index]["test"]
-    report["bias_movement"] = bias_movement(model.encoder, encoder.model)
-    del models, chosen  # the other runs' models
-    if config.full:
-        return TrainResult(None, report, model)
-    metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}
-    metrics.update({f"test_{k}": v for k, v in report.get("test", {}).items()})
-    meta = PatchMeta(
-        task=config.task,
-        kind=kind,
-        labels=labels if kind != "regression" else [],
-        base=BaseRef(encoder.name, encoder.fingerprint),
-        bias_subset=config.bias_subset,
-        pooling=pooling,
-        max_seq_length=max_len,
-        text_pair=train.is_pair,
-        metrics=metrics,
-        training={k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params", "metric")}
-        | {"restarts": restarts},
-    )
-    patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
-    return TrainResult(patch, report, model)
+    trainer = JointTrainer([training])
+    while len(trainer):
+        for _, error in trainer.step():
+            if error is not None:
+                raise error
+    return training.finish()

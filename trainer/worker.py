@@ -16,20 +16,26 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from patches.data import DataError, Dataset, job_splits
-from patches.encoder import Encoder
+from patches.encoder import Encoder, resolve_device
 from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
 from patches.format import Patch
 from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue, TrainConfig
+from patches.packed import PackedBert, packed_unsupported
+from patches.packed_model import training_bert
 from patches.store import Registry
-from trainer.train import TrainingStopped, progress_line, train_patch
+from trainer.train import JointTrainer, PatchTraining, TrainingStopped, TrainResult, progress_line
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0  # seconds between progress lines in the log
 POLL_CANCEL_S = 1.0  # how often a training job looks for a cancel request
+HEARTBEAT_S = 1.0  # how often the leases of the jobs in training are renewed
+CLAIM_EVERY_S = 1.0  # how often a worker with jobs in training (and room for more) looks for another
 
 
 class LeaseLostError(RuntimeError):
@@ -40,17 +46,30 @@ class JobStop:
     """Asked by the training loop before every update: should this job stop now, and why.
 
     ``shutdown`` (the worker was told to stop: it hands the job back), ``cancelled`` (POST /jobs/{id}/cancel, seen
-    by polling the job at most once a second) or ``time limit`` (the job ran past ``JobLimits.max_seconds``)."""
+    by polling the job at most once a second), ``time limit`` (the job ran past ``JobLimits.max_seconds``) or
+    ``lease lost`` (another worker took the job over). Each call first lets the worker's heartbeat run
+    (``pulse``): it is asked often, between evaluation batches too."""
 
-    def __init__(self, queue: JobQueue, job_id: str, shutdown: threading.Event, max_seconds: float) -> None:
-        self.queue, self.job_id, self.shutdown = queue, job_id, shutdown
+    def __init__(
+        self,
+        queue: JobQueue,
+        job_id: str,
+        shutdown: threading.Event,
+        max_seconds: float,
+        pulse: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.queue, self.job_id, self.shutdown, self.pulse = queue, job_id, shutdown, pulse
         self.deadline = time.monotonic() + max_seconds
         self.reason: str | None = None
+        self.lease_lost = False
         self._polled = time.monotonic()
 
     def __call__(self) -> bool:
+        self.pulse()
         now = time.monotonic()
-        if self.shutdown.is_set():
+        if self.lease_lost:
+            self.reason = "lease lost"
+        elif self.shutdown.is_set():
             self.reason = "shutdown"
         elif now > self.deadline:
             self.reason = "time limit"
@@ -59,6 +78,16 @@ class JobStop:
             if self.queue.cancel_requested(self.job_id):
                 self.reason = "cancelled"
         return self.reason is not None
+
+
+@dataclass
+class _Running:
+    """A job in training on this worker."""
+
+    msg_id: str
+    job: Job
+    stop: JobStop
+    training: PatchTraining | None = None
 
 
 class Worker:
@@ -75,7 +104,10 @@ class Worker:
         device: str = "auto",
         limits: JobLimits | None = None,
         alive_file: Path | None = None,
+        concurrent_jobs: int = 1,
     ) -> None:
+        if concurrent_jobs < 1:
+            raise ValueError(f"concurrent_jobs must be at least 1, not {concurrent_jobs}")
         self.queue = queue
         self.registry = registry
         self.encoder = encoder
@@ -87,47 +119,108 @@ class Worker:
         self.max_attempts = max_attempts
         self.device = device
         self.limits = limits or JobLimits()
+        self.concurrent_jobs = concurrent_jobs
         self.shutdown = threading.Event()
         # touched while the worker's loop turns: between claims (every block_s) and at each heartbeat of a job, so a
         # container healthcheck can tell a live worker from a hung one by the file's age (docker-compose.yml)
         self.alive_file = alive_file
+        self._running: dict[str, _Running] = {}  # by job id
+        self._last_pulse = 0.0
+        self._packed_bert: PackedBert | None = None
 
     def _alive(self) -> None:
         if self.alive_file is not None:
             self.alive_file.touch()
 
+    def _pulse(self) -> None:
+        """At most once a second: touch the alive file and renew the lease of every job in training; a job whose
+        lease another worker took over is marked, and its JobStop ends it."""
+        now = time.monotonic()
+        if now - self._last_pulse < HEARTBEAT_S:
+            return
+        self._last_pulse = now
+        self._alive()
+        for running in list(self._running.values()):
+            if not running.stop.lease_lost and not self.queue.heartbeat(self.name, running.msg_id):
+                running.stop.lease_lost = True
+
+    def _shared_bert(self) -> PackedBert | None:
+        """The frozen encoder as the packed training model reads it, built once and shared by every job trained
+        here, so that concurrent jobs encode their rows together. The encoder moves to the worker's device once
+        (a job that asks for another device trains on a copy of its own)."""
+        if self._packed_bert is None and packed_unsupported(self.encoder.model) is None:
+            model = self.encoder.model.to(resolve_device(self.device))
+            self._packed_bert = training_bert(model)
+        return self._packed_bert
+
     def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
         """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled.
 
-        Setting ``stop`` (SIGTERM in ``patchserve worker``) also stops a job in training within a second or so and
-        hands it back to the queue, where the next free worker takes it at once."""
+        Up to ``concurrent_jobs`` jobs train at once, in one batch (``trainer.train.JointTrainer``): a job claimed
+        while others train joins at their next update, and one that ends leaves without stopping the others.
+        Setting ``stop`` (SIGTERM in ``patchserve worker``) also stops every job in training within a second or so
+        and hands it back to the queue, where the next free worker takes it at once."""
         self.shutdown = stop = stop or threading.Event()
         self.queue.ensure_group()
+        trainer = JointTrainer()
         done = 0
-        log.info("worker %s: waiting for jobs on %s", self.name, self.queue.url)
-        while not stop.is_set() and (max_jobs is None or done < max_jobs):
+        last_claim = 0.0
+        log.info(
+            "worker %s: waiting for jobs on %s (up to %d at once)", self.name, self.queue.url, self.concurrent_jobs
+        )
+        while len(trainer) or not (stop.is_set() or (max_jobs is not None and done >= max_jobs)):
             self._alive()
-            try:
-                claimed = self.queue.claim(self.name, lease_s=self.lease_s, block_s=self.block_s)
-            except RegistryUnavailableError as exc:
-                log.warning("queue unreachable (%s); retrying", exc)
-                stop.wait(2.0)
+            room = self.concurrent_jobs - len(trainer)
+            if max_jobs is not None:
+                room = min(room, max_jobs - done - len(trainer))
+            # while jobs train, look for more at most once a second (a claim costs two round trips to Redis)
+            if room > 0 and not stop.is_set() and (not len(trainer) or time.monotonic() - last_claim >= CLAIM_EVERY_S):
+                last_claim = time.monotonic()
+                try:
+                    claimed = self.queue.claim(
+                        self.name, lease_s=self.lease_s, block_s=0.0 if len(trainer) else self.block_s
+                    )
+                except RegistryUnavailableError as exc:
+                    log.warning("queue unreachable (%s); retrying", exc)
+                    if not len(trainer):
+                        stop.wait(2.0)
+                    claimed = None
+                if claimed is not None:
+                    training = self._begin(*claimed)
+                    if training is None:  # ended before training (or needs none)
+                        done += 1
+                    else:
+                        trainer.add(training)
+                    last_claim = 0.0  # a queue that had one may have more: look again at once
+                    continue
+            if not len(trainer):
                 continue
-            if claimed is not None:
-                self.process(*claimed)
+            for training, error in trainer.step():
+                self._end(training, error)
                 done += 1
         return done
 
     # --- one job -------------------------------------------------------------------------------------------
     def process(self, msg_id: str, job_id: str) -> None:
+        """Take one claimed job from start to end (alone)."""
+        training = self._begin(msg_id, job_id)
+        if training is None:
+            return
+        trainer = JointTrainer([training])
+        while len(trainer):
+            for ended, error in trainer.step():
+                self._end(ended, error)
+
+    def _begin(self, msg_id: str, job_id: str) -> PatchTraining | None:
+        """Start a claimed job: its training, ready to join the batch; None when the job ended without one."""
         try:
             job = self.queue.get(job_id)
         except PatchServeError:
             self.queue.ack(msg_id)  # its record expired: nothing to retry
-            return
+            return None
         if job.status in TERMINAL:
             self.queue.ack(msg_id)
-            return
+            return None
         attempts = job.attempts + 1
         if attempts > self.max_attempts:
             self.queue.finish(
@@ -137,39 +230,80 @@ class Worker:
                 f"stopped during each (last error: {job.error or 'none recorded'})",
             )
             self.queue.ack(msg_id)
-            return
+            return None
         if not self.queue.start(job_id, self.name, attempts):  # cancelled before it started
             if self.queue.get(job_id).status not in TERMINAL:
                 self.queue.finish(job_id, "cancelled", error="cancelled before it started")
             self.queue.ack(msg_id)
-            return
+            return None
         log.info("job %s (%s): attempt %d on %s", job_id, job.task, attempts, self.name)
-        stop = JobStop(self.queue, job_id, self.shutdown, self.limits.max_seconds)
+        stop = JobStop(self.queue, job_id, self.shutdown, self.limits.max_seconds, pulse=self._pulse)
+        running = _Running(msg_id, job, stop)
+        self._running[job_id] = running
+        outcome = self._settle(running, lambda: self._prepare(running))
+        if isinstance(outcome, PatchTraining):
+            running.training = outcome
+            return outcome
+        return None
+
+    def _end(self, training: PatchTraining, error: Exception | None) -> None:
+        """A job left the batch: trained (``error`` None: gate, register, ack) or ended by ``error``."""
+        running = next(r for r in self._running.values() if r.training is training)
+
+        def outcome() -> tuple[str, dict[str, Any]]:
+            if error is not None:
+                raise error
+            return self._complete(running, training.finish())
+
+        self._settle(running, outcome)
+
+    def _settle(
+        self, running: _Running, outcome: Callable[[], tuple[str, dict[str, Any]] | PatchTraining]
+    ) -> PatchTraining | None:
+        """Run a step of a job's life and record how it ended: a PatchTraining (training goes on) is returned; an
+        end (status and values) is written and the job acked; a stop, a lost lease or an unreachable Redis leave
+        the job to the queue as ever."""
+        job, msg_id, stop = running.job, running.msg_id, running.stop
         try:
-            status, values = self._execute(job, msg_id, stop)
+            result = outcome()
+            if isinstance(result, PatchTraining):
+                return result
+            status, values = result
         except LeaseLostError:
-            log.warning("job %s was taken over by another worker; dropping it here", job_id)
-            return
+            log.warning("job %s was taken over by another worker; dropping it here", job.id)
+            self._forget(job.id)
+            return None
         except TrainingStopped as exc:
+            if stop.reason == "lease lost":
+                log.warning("job %s was taken over by another worker; dropping it here", job.id)
+                self._forget(job.id)
+                return None
             if stop.reason == "shutdown":
-                self.queue.hand_back(job_id, msg_id, job.attempts)
-                log.info("job %s: stopped at update %d of %d and handed back to the queue", job_id, exc.step, exc.total)
-                return
+                self.queue.hand_back(job.id, msg_id, job.attempts)
+                log.info("job %s: stopped at update %d of %d and handed back to the queue", job.id, exc.step, exc.total)
+                self._forget(job.id)
+                return None
             status, values = self._stopped(stop.reason, exc)
         except (RegistryUnavailableError, ConnectionError) as exc:
             # transient: leave the message pending, so this or another worker retries after the lease
-            log.warning("job %s: %s; it will be retried", job_id, exc)
-            self.queue.update(job_id, status="queued", error=str(exc))
-            return
+            log.warning("job %s: %s; it will be retried", job.id, exc)
+            self.queue.update(job.id, status="queued", error=str(exc))
+            self._forget(job.id)
+            return None
         except Exception as exc:  # a bug or bad input: fail the job with the reason, never the worker
-            log.exception("job %s failed", job_id)
+            log.exception("job %s failed", job.id)
             status, values = (
                 "failed",
                 {"error": f"{type(exc).__name__}: {exc}", "result": {"traceback": traceback.format_exc(limit=5)}},
             )
-        self.queue.finish(job_id, status, **values)
+        self._forget(job.id)
+        self.queue.finish(job.id, status, **values)
         self.queue.ack(msg_id)
-        log.info("job %s: %s%s", job_id, status, f" ({values['error']})" if values.get("error") else "")
+        log.info("job %s: %s%s", job.id, status, f" ({values['error']})" if values.get("error") else "")
+        return None
+
+    def _forget(self, job_id: str) -> None:
+        self._running.pop(job_id, None)
 
     def _stopped(self, reason: str | None, exc: TrainingStopped) -> tuple[str, dict[str, Any]]:
         where = f"at update {exc.step} of {exc.total}" if exc.total else "before training"
@@ -180,7 +314,10 @@ class Worker:
             "(PATCHSERVE_MAX_JOB_SECONDS)"
         }
 
-    def _execute(self, job: Job, msg_id: str, stop: JobStop) -> tuple[str, dict[str, Any]]:
+    def _prepare(self, running: _Running) -> tuple[str, dict[str, Any]] | PatchTraining:
+        """A job's training, ready to run; or its end, when it needs no training (an earlier attempt's stashed
+        patch) or cannot have one (bad data, a config over the limits)."""
+        job, stop = running.job, running.stop
         stashed = self.queue.stashed_patch(job.id)
         if stashed is not None:  # an earlier attempt trained it and may have died while registering
             patch = Patch.from_bytes(stashed)
@@ -196,21 +333,31 @@ class Worker:
             return "failed", {"error": f"bad data: {exc}"}
         except JobError as exc:
             return "failed", {"error": str(exc)}
-        last_beat, last_log = [0.0], [0.0]
+        last_update, last_log = [0.0], [0.0]
 
         def progress(p: dict[str, Any]) -> None:
             now = time.monotonic()
-            if now - last_beat[0] >= 1.0 or p["step"] == p["total_steps"]:
-                last_beat[0] = now
-                if not self.queue.heartbeat(self.name, msg_id):
-                    raise LeaseLostError(job.id)
-                self._alive()
+            if now - last_update[0] >= 1.0 or p["step"] == p["total_steps"]:
+                last_update[0] = now
                 self.queue.update(job.id, progress=p)
             if now - last_log[0] >= LOG_EVERY_S:  # a line in the worker's log too (docker compose logs worker)
                 last_log[0] = now
                 log.info("job %s: %s", job.id, progress_line(p))
 
-        result = train_patch(self.encoder, train, dev, config, test=test, on_progress=progress, should_stop=stop)
+        return PatchTraining(
+            self.encoder,
+            train,
+            dev,
+            config,
+            test=test,
+            on_progress=progress,
+            should_stop=stop,
+            packed_bert=self._shared_bert(),
+        )
+
+    def _complete(self, running: _Running, result: TrainResult) -> tuple[str, dict[str, Any]]:
+        """A trained job's end: its gate, then its registration (exactly once)."""
+        job, msg_id = running.job, running.msg_id
         report, primary = result.report, result.report["metric"]
         summary = {
             "metric": primary,
