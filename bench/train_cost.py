@@ -2,7 +2,7 @@
 
     python bench/train_cost.py --quick     # 1 repeat, runs on 1,000 rows; last line: JSON
     python bench/train_cost.py             # 3 repeats -> docs/benchmarks/train_cost.{jsonl,md,png}
-    python bench/train_cost.py --no-runs   # the updates only
+    python bench/train_cost.py --no-runs --no-jobs   # the updates only
 
 Updates. Each mode runs in its own process (so its peak memory is its own), the modes alternating, ``--repeats``
 times, over the same batches of Rotten Tomatoes rows: ``packed`` (BitFit on the packed model, as the trainer runs
@@ -15,6 +15,11 @@ during the updates minus before them on the CPU; peak allocated bytes on CUDA). 
 Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
 of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
 ``ratio_run`` is BitFit / full: at most 1 means a patch costs no more than a full fine-tune.
+
+Jobs. ``--concurrent-jobs K`` default BitFit jobs (each on its own ``--job-rows`` slice of the training set, its own
+seed, at most ``--job-max-steps`` updates), trained one at a time and then together in one batch, as
+``patchserve worker --concurrent-jobs K`` trains them (``trainer.train.JointTrainer``), each way in its own
+process: ``jobs_per_hour_1`` and ``jobs_per_hour_k``, and their ratio ``jobs_speedup``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from trainer.train import collate, featurize, loss_fn, packed_task_model, train_
 OUT = ROOT / "docs" / "benchmarks"
 MODES = ("packed", "padded", "full")
 RUN_MODES = ("run-bitfit", "run-padded", "run-full")
+JOB_MODES = ("jobs-1", "jobs-k")
 DATA = ROOT.parent / "shared" / "data" / "rotten_tomatoes"
 
 
@@ -158,10 +164,51 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def jobs_child(args: argparse.Namespace) -> dict[str, Any]:
+    """K default jobs in this process, one at a time (``jobs-1``) or in one batch (``jobs-k``): wall time."""
+    from dataclasses import replace
+
+    from patches.packed_model import training_bert
+    from trainer.train import JointTrainer, PatchTraining
+
+    encoder = load_encoder(args.model)
+    encoder.model.to(resolve_device(args.device))
+    shared = training_bert(encoder.model)
+    train_all = load_dataset(args.data)
+    dev_all = load_dataset(args.dev, kind=train_all.kind, labels=train_all.labels or None)
+    dev = replace(dev_all, examples=dev_all.examples[: args.dev_rows])
+    t0 = time.perf_counter()
+    trainings = []
+    for i in range(args.concurrent_jobs):
+        rows = train_all.examples[i * args.job_rows : (i + 1) * args.job_rows]
+        config = TrainConfig(task=f"job{i}", seed=i, device=args.device, max_steps=args.job_max_steps)
+        trainings.append(PatchTraining(encoder, replace(train_all, examples=rows), dev, config, packed_bert=shared))
+    groups = [trainings] if args.child == "jobs-k" else [[t] for t in trainings]
+    accuracy = []
+    for group in groups:
+        trainer = JointTrainer(group)
+        while len(trainer):
+            for training, error in trainer.step():
+                if error is not None:
+                    raise error
+                accuracy.append(training.finish().report["dev"]["accuracy"])
+    seconds = time.perf_counter() - t0
+    return {
+        "mode": args.child,
+        "seconds": seconds,
+        "jobs": args.concurrent_jobs,
+        "trained": len(accuracy),
+        "jobs_per_hour": 3600 * args.concurrent_jobs / seconds,
+        "dev_accuracy": statistics.mean(accuracy),
+    }
+
+
 def _spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--device", args.device]
     cmd += ["--data", args.data, "--dev", args.dev, "--batch", str(args.batch), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup), "--run-rows", str(args.run_rows), "--dev-rows", str(args.dev_rows)]
+    cmd += ["--concurrent-jobs", str(args.concurrent_jobs), "--job-rows", str(args.job_rows)]
+    cmd += ["--job-max-steps", str(args.job_max_steps)]
     if args.run_max_steps:
         cmd += ["--run-max-steps", str(args.run_max_steps)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -182,25 +229,36 @@ def main() -> None:
     ap.add_argument("--dev-rows", type=int, default=300, help="dev rows of each default run (first N)")
     ap.add_argument("--no-runs", action="store_true", help="time the updates only, not the default runs")
     ap.add_argument("--run-max-steps", type=int, help="cap each default run's updates (default: no cap)")
+    ap.add_argument("--no-jobs", action="store_true", help="skip the concurrent jobs' figures")
+    ap.add_argument("--concurrent-jobs", type=int, help="jobs trained together (default 8; 4 with --quick)")
+    ap.add_argument("--job-rows", type=int, default=256, help="training rows of each job (default 256)")
+    ap.add_argument("--job-max-steps", type=int, help="cap each job's updates (default 60; 20 with --quick)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="timed updates per run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (alternating)")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 10 updates; prints one JSON line")
     ap.add_argument("--out", type=Path, default=OUT / "train_cost.jsonl")
-    ap.add_argument("--child", choices=MODES + RUN_MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=MODES + RUN_MODES + JOB_MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(run_child(args) if args.child in RUN_MODES else child(args)))
+        work = run_child if args.child in RUN_MODES else jobs_child if args.child in JOB_MODES else child
+        print(json.dumps(work(args)))
         return
     if args.quick:
         args.repeats, args.steps = 1, 10
+    args.concurrent_jobs = args.concurrent_jobs or (4 if args.quick else 8)
+    args.job_max_steps = args.job_max_steps or (20 if args.quick else 60)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for r in range(args.repeats):
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             runs[mode].append(_spawn(args, mode))
     med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in ("s_per_update", "memory_bytes")} for m in MODES}
     trained = {} if args.no_runs else {m.removeprefix("run-"): _spawn(args, m) for m in RUN_MODES}
+    jobs: dict[str, list[dict[str, Any]]] = {m: [] for m in JOB_MODES}
+    for r in range(0 if args.no_jobs else args.repeats):
+        for mode in JOB_MODES if r % 2 == 0 else JOB_MODES[::-1]:
+            jobs[mode].append(_spawn(args, mode))
     device = (
         torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     )
@@ -234,6 +292,18 @@ def main() -> None:
             }
         result["ratio_run"] = round(trained["bitfit"]["seconds"] / trained["full"]["seconds"], 3)
         result["run_speedup_packed"] = round(trained["padded"]["seconds"] / trained["bitfit"]["seconds"], 2)
+    if not args.no_jobs:
+        per_hour = {m: statistics.median(r["jobs_per_hour"] for r in jobs[m]) for m in JOB_MODES}
+        result |= {
+            "concurrent_jobs": args.concurrent_jobs,
+            "job_rows": args.job_rows,
+            "job_max_steps": args.job_max_steps,
+            "jobs_per_hour_1": round(per_hour["jobs-1"], 1),
+            "jobs_per_hour_k": round(per_hour["jobs-k"], 1),
+            "jobs_speedup": round(per_hour["jobs-k"] / per_hour["jobs-1"], 2),
+            "jobs_dev_accuracy_1": round(statistics.median(r["dev_accuracy"] for r in jobs["jobs-1"]), 4),
+            "jobs_dev_accuracy_k": round(statistics.median(r["dev_accuracy"] for r in jobs["jobs-k"]), 4),
+        }
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
@@ -307,6 +377,27 @@ def render(jsonl: Path) -> None:
             lines.append(
                 f"| {r['device']} | {r['run_rows']:,} / {r['dev_rows']:,} | {' | '.join(cells)} | "
                 f"{r['ratio_run']:.2f}x | {r['run_speedup_packed']:.2f}x |"
+            )
+    with_jobs = [r for r in rows if "jobs_speedup" in r]
+    if with_jobs:
+        lines += [
+            "",
+            "## Concurrent jobs",
+            "",
+            "`--concurrent-jobs` default BitFit jobs (each its own `--job-rows` slice and seed, at most",
+            "`--job-max-steps` updates), one at a time and then in one batch, as `patchserve worker",
+            "--concurrent-jobs K` trains them.",
+            "Goal (issue 25, H100/H200): 8 concurrent jobs >= 4x the jobs per hour of one at a time.",
+            "",
+            "| device | jobs | rows / max updates each | jobs/h one at a time | jobs/h together | speed-up "
+            "| dev (1 / K) |",
+            "|---|---:|---|---:|---:|---:|---|",
+        ]
+        for r in with_jobs:
+            lines.append(
+                f"| {r['device']} | {r['concurrent_jobs']} | {r['job_rows']} / {r['job_max_steps']} | "
+                f"{r['jobs_per_hour_1']} | {r['jobs_per_hour_k']} | {r['jobs_speedup']:.2f}x | "
+                f"{100 * r['jobs_dev_accuracy_1']:.1f} / {100 * r['jobs_dev_accuracy_k']:.1f} |"
             )
     lines += ["", *WHY]
     (jsonl.parent / "train_cost.md").write_text("\n".join(lines) + "\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.train_cost import child, render, run_child
+from bench.train_cost import child, jobs_child, render, run_child
 from tests.helpers import synthetic_rows, write_jsonl
 
 
@@ -25,6 +25,9 @@ def _args(tmp_path, tiny_bert_dir, mode):
         run_rows=16,
         dev_rows=8,
         run_max_steps=6,
+        concurrent_jobs=3,
+        job_rows=8,
+        job_max_steps=4,
     )
 
 
@@ -43,6 +46,13 @@ def test_default_runs_use_their_own_forward(tiny_bert_dir, tmp_path):
         "run-full": "padded",
     }
     assert all(r["seconds"] > 0 and r["steps"] > 0 and 0 <= r["dev_accuracy"] <= 1 for r in runs.values())
+
+
+def test_concurrent_jobs_train_every_job_one_at_a_time_and_together(tiny_bert_dir, tmp_path):
+    for mode in ("jobs-1", "jobs-k"):
+        got = jobs_child(_args(tmp_path, tiny_bert_dir, mode))
+        assert got["mode"] == mode and got["jobs"] == got["trained"] == 3
+        assert got["jobs_per_hour"] > 0 and 0 <= got["dev_accuracy"] <= 1
 
 
 def test_render_reads_rows_before_and_after_packed_training(tmp_path):
