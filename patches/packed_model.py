@@ -16,8 +16,9 @@ heads then read only its own rows.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -58,8 +59,7 @@ class PackedTaskModel(nn.Module):
         if not heads:
             raise ValueError("a packed task model needs at least one run (one head)")
         base = training_bert(encoder) if packed is None else packed
-        word: nn.Module = getattr(getattr(encoder, "embeddings", None), "word_embeddings", nn.Identity())
-        if packed is not None and packed.word.data_ptr() != getattr(word, "weight", packed.word).data_ptr():
+        if base.word.data_ptr() != cast(Any, encoder).get_input_embeddings().weight.data_ptr():
             raise ValueError("packed= must be a training_bert() of this encoder")
         unknown = sorted(set(trained) - set(base.base))
         if unknown:
@@ -201,27 +201,22 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
     if len(parts) == 1:
         joint, lengths = packs[0]
         banks = all_banks[0]
-    else:
-        slot_off, row_off, tok_off = 0, 0, 0
-        fields: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "types", "pos", "tok_slot", "seg", "row_slot")}
-        cus, modes = [packs[0][0].cu[:1]], []
-        lengths = []
-        for (model, *_), (b, row_lengths) in zip(parts, packs, strict=True):
-            fields["ids"].append(b.ids)
-            fields["types"].append(b.types)
-            fields["pos"].append(b.pos)
-            fields["tok_slot"].append(b.tok_slot + slot_off)
-            fields["seg"].append(b.seg + row_off)
-            fields["row_slot"].append(b.row_slot + slot_off)
-            cus.append(b.cu[1:] + tok_off)
-            modes.append(b.row_mode)
-            lengths += row_lengths
-            slot_off, row_off, tok_off = slot_off + model.runs, row_off + len(row_lengths), tok_off + sum(row_lengths)
+    else:  # one batch: each model's run slots, rows and tokens shifted past those of the models before it
+        batches = [b for b, _ in packs]
+        lengths = [n for _, row_lengths in packs for n in row_lengths]
+        slot_off = list(itertools.accumulate((model.runs for model, *_ in parts[:-1]), initial=0))
+        row_off = list(itertools.accumulate((len(n) for _, n in packs[:-1]), initial=0))
+        tok_off = list(itertools.accumulate((sum(n) for _, n in packs[:-1]), initial=0))
         joint = PackedBatch(
-            **{k: torch.cat(v) for k, v in fields.items()},
-            cu=torch.cat(cus),
-            row_mode=torch.cat(modes),
-            max_len=max(lengths),
+            ids=torch.cat([b.ids for b in batches]),
+            types=torch.cat([b.types for b in batches]),
+            pos=torch.cat([b.pos for b in batches]),
+            tok_slot=torch.cat([b.tok_slot + o for b, o in zip(batches, slot_off, strict=True)]),
+            seg=torch.cat([b.seg + o for b, o in zip(batches, row_off, strict=True)]),
+            cu=torch.cat([batches[0].cu[:1], *(b.cu[1:] + o for b, o in zip(batches, tok_off, strict=True))]),
+            row_slot=torch.cat([b.row_slot + o for b, o in zip(batches, slot_off, strict=True)]),
+            row_mode=torch.cat([b.row_mode for b in batches]),
+            max_len=max(b.max_len for b in batches),
         )
         # the encoder's banks only (the pooler's is each model's own, used by its pooling below)
         banks = {k: torch.cat([b[k] for b in all_banks]) for k in all_banks[0] if k != "pooler"}

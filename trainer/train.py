@@ -315,7 +315,7 @@ class _RunGroup:
     every run's rows in one batch; or padded, one run (a TaskModel on a copy of the encoder). Each run keeps the
     best dev checkpoint -- or with ``checkpoint="last"`` the final one -- which ``results()`` puts in the model.
 
-    ``config`` is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
+    The job's config is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
 
     def __init__(
         self,
@@ -406,13 +406,13 @@ class _RunGroup:
         return self.model, b["input_ids"], b["attention_mask"], b["token_type_ids"], u.run_of_row
 
     def forward(self, u: _Update) -> torch.Tensor:
+        """The padded model's logits (a packed group's rows go through ``joint_forward``, as its ``part``)."""
+        assert isinstance(self.model, TaskModel)
         b = u.batch
-        if isinstance(self.model, PackedTaskModel):
-            return joint_forward([self.part(u)])[0]
         return self.model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
 
     def losses(self, logits: torch.Tensor, u: _Update) -> list[torch.Tensor]:
-        """Each active run's loss on its own rows."""
+        """Each active run's loss on its own rows; clears the runs' gradients for the backward to come."""
         for r in u.active:
             r.optimizer.zero_grad(set_to_none=True)
         return [loss_fn(self.job.kind, logits[a:b], u.batch["labels"][a:b]) for a, b in u.spans]

@@ -262,33 +262,37 @@ class Worker:
     ) -> PatchTraining | None:
         """Run a step of a job's life and record how it ended: a PatchTraining (training goes on) is returned; an
         end (status and values) is written and the job acked; a stop, a lost lease or an unreachable Redis leave
-        the job to the queue as ever."""
+        the job to the queue as ever. A job that ended is no longer this worker's (nor its lease to renew)."""
+        result = self._record(running, outcome)
+        if result is None:
+            self._running.pop(running.job.id, None)
+        return result
+
+    def _record(
+        self, running: _Running, outcome: Callable[[], tuple[str, dict[str, Any]] | PatchTraining]
+    ) -> PatchTraining | None:
         job, msg_id, stop = running.job, running.msg_id, running.stop
         try:
             result = outcome()
             if isinstance(result, PatchTraining):
                 return result
             status, values = result
-        except LeaseLostError:
-            log.warning("job %s was taken over by another worker; dropping it here", job.id)
-            self._forget(job.id)
-            return None
         except TrainingStopped as exc:
             if stop.reason == "lease lost":
                 log.warning("job %s was taken over by another worker; dropping it here", job.id)
-                self._forget(job.id)
                 return None
             if stop.reason == "shutdown":
                 self.queue.hand_back(job.id, msg_id, job.attempts)
                 log.info("job %s: stopped at update %d of %d and handed back to the queue", job.id, exc.step, exc.total)
-                self._forget(job.id)
                 return None
             status, values = self._stopped(stop.reason, exc)
+        except LeaseLostError:
+            log.warning("job %s was taken over by another worker; dropping it here", job.id)
+            return None
         except (RegistryUnavailableError, ConnectionError) as exc:
             # transient: leave the message pending, so this or another worker retries after the lease
             log.warning("job %s: %s; it will be retried", job.id, exc)
             self.queue.update(job.id, status="queued", error=str(exc))
-            self._forget(job.id)
             return None
         except Exception as exc:  # a bug or bad input: fail the job with the reason, never the worker
             log.exception("job %s failed", job.id)
@@ -296,14 +300,10 @@ class Worker:
                 "failed",
                 {"error": f"{type(exc).__name__}: {exc}", "result": {"traceback": traceback.format_exc(limit=5)}},
             )
-        self._forget(job.id)
         self.queue.finish(job.id, status, **values)
         self.queue.ack(msg_id)
         log.info("job %s: %s%s", job.id, status, f" ({values['error']})" if values.get("error") else "")
         return None
-
-    def _forget(self, job_id: str) -> None:
-        self._running.pop(job_id, None)
 
     def _stopped(self, reason: str | None, exc: TrainingStopped) -> tuple[str, dict[str, Any]]:
         where = f"at update {exc.step} of {exc.total}" if exc.total else "before training"
