@@ -45,8 +45,9 @@ from typing import Any
 
 import httpx
 
-from bench.common import FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot
+from bench.common import FREE_MODEL, OUT, append_run, model_source, pyplot
 
+EVENTS = {False: "kill -9", True: "switchover"}  # how the primary goes: killed, or SENTINEL FAILOVER
 SETTLE_S = 3.0
 BURST_S = 0.5  # the writer runs flat out from this long before each kill to this long after it gets through
 PACED_S = 0.1  # and writes every 0.1 s otherwise (flat out all the time, the registry grows by GBs and every
@@ -75,7 +76,9 @@ def _syncs(port: int) -> tuple[int, int]:
     return int(stats.get("sync_full", 0)), int(stats.get("sync_partial_ok", 0))
 
 
-def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tuple[list[dict], dict[str, Any]]:
+def run_setting(
+    min_replicas: int, failovers: int, work: Path, model: str, switchover: bool = False
+) -> tuple[list[dict], dict[str, Any]]:
     from patches.errors import RegistryUnavailableError
     from patches.format import Patch
     from patches.store import open_registry
@@ -91,6 +94,8 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
     predicts: list[tuple[float, int]] = []
     http_writes: list[tuple[float, int, dict[str, Any]]] = []
     direct_ok: list[tuple[float, int, str]] = []  # (when it was acknowledged, version, patch id)
+    # writes refused because, after their WAIT, another node acted as primary (DurableWrites' PrimaryCheck)
+    second_primary_refusals: list[float] = []
     try:
         env = {"PATCHSERVE_REGISTRY": deployment.url, "PATCHSERVE_REDIS_MIN_REPLICAS": str(min_replicas)}
         args = ["--model", model, "--device", "cpu", "--slots", "16"]
@@ -128,7 +133,9 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
                         direct_ok.append((time.monotonic(), info.version, info.patch_id))
                         if not burst.is_set():  # paced between kills, so the registry stays small
                             stop.wait(PACED_S)
-                    except RegistryUnavailableError:
+                    except RegistryUnavailableError as exc:
+                        if "failover is under way" in str(exc):
+                            second_primary_refusals.append(time.monotonic())
                         time.sleep(0.02)
                     i += 1
 
@@ -145,8 +152,9 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
                     time.sleep(SETTLE_S - BURST_S)
                     burst.set()
                     time.sleep(BURST_S)
+                    promotions_before = deployment.promotions()
                     t_kill = time.monotonic()
-                    old = deployment.kill_primary()
+                    old = deployment.switchover() if switchover else deployment.kill_primary()
                     new = deployment.wait_for_failover(old, timeout=60)
                     failover_s = time.monotonic() - t_kill
                     syncs_before = _syncs(new)
@@ -167,13 +175,15 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
                         if syncs_after[1] > syncs_before[1]
                         else "none seen"
                     )
-                    deployment.restart_as_replica(old)
+                    if not switchover:  # (after a switchover the old primary rejoins by itself, as a replica)
+                        deployment.restart_as_replica(old)
                     t_back = time.monotonic()
                     # the next kill only once every Sentinel knows both replicas again (patchserve.local's
                     # SentinelRedis.healthy says why: up to 10 s after a node comes back)
                     while not deployment.healthy(2) and time.monotonic() < t_back + 90:
                         time.sleep(0.1)
                     healthy_s = time.monotonic() - t_back
+                    promotions = deployment.promotions() - promotions_before
                     events.append(
                         {
                             "n": n,
@@ -181,6 +191,7 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
                             "failover_s": round(failover_s, 2),
                             "healthy_s": round(healthy_s, 1),
                             "resync": resync,
+                            "promotions": promotions,
                         }
                     )
                     print(
@@ -213,14 +224,19 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
         window = before[-1:] + [t for t in acked_times if e["t_kill"] < t < end]
         gap = max((b - a for a, b in itertools.pairwise(window)), default=float("nan"))
         http_503 = sum(1 for t, s, _ in http_writes if s == 503 and e["t_kill"] <= t <= e["t_kill"] + gap + 2)
+        second_primary = sum(1 for t in second_primary_refusals if e["t_kill"] <= t < end)
         lines.append(
             {
                 "kind": "failover",
+                "event": EVENTS[switchover],
                 "min_replicas": min_replicas,
                 "n": e["n"],
                 "failover_s": e["failover_s"],
                 "healthy_again_s": e["healthy_s"],
                 "survivor_resync": e["resync"],
+                # replicas promoted after this kill: 1, or 2 when a Sentinel then failed over the new primary too
+                "promotions": e["promotions"],
+                "second_primary_refusals": second_primary,
                 "write_gap_s": round(gap, 2),
                 "gap_over_failover_s": round(gap - e["failover_s"], 2),
                 "http_503": http_503,
@@ -236,6 +252,7 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
     gaps = [x["write_gap_s"] for x in lines]
     summary = {
         "kind": "setting",
+        "event": EVENTS[switchover],
         "min_replicas": min_replicas,
         "failovers": len(lines),
         "predicts": len(predicts),
@@ -252,6 +269,9 @@ def run_setting(min_replicas: int, failovers: int, work: Path, model: str) -> tu
         "gap_over_failover_s_max": max(x["gap_over_failover_s"] for x in lines),
         # the surviving replica's resync with the new primary: partial (PSYNC) or full (a new copy of the data set)
         "survivor_full_resyncs": sum(1 for x in lines if x["survivor_resync"] == "full"),
+        # failovers after which the Sentinels promoted a second replica (the new primary wrongly seen as down)
+        "double_failovers": sum(1 for x in lines if x["promotions"] > 1),
+        "second_primary_refusals": len(second_primary_refusals),
     }
     return lines, summary
 
@@ -267,65 +287,108 @@ def _resyncs(setting: dict[str, Any], lines: list[dict[str, Any]]) -> str:
     return f"{len(full)}" + (f" ({', '.join(f'{g:.1f}' for g in full)} s)" if full else "")
 
 
+def _doubles(setting: dict[str, Any], lines: list[dict[str, Any]]) -> str:
+    if "double_failovers" not in setting:
+        return "-"
+    gaps = [
+        x["write_gap_s"]
+        for x in lines
+        if x["kind"] == "failover" and x["min_replicas"] == setting["min_replicas"] and x["promotions"] > 1
+    ]
+    listed = f" ({', '.join(f'{g:.1f}' for g in gaps)} s)" if gaps else ""
+    return f"{len(gaps)}{listed}; {setting['second_primary_refusals']}"
+
+
 def _losses(lines: list[dict[str, Any]]) -> str:
     """Where the lost writes were, per failover: how many, and when they were acknowledged relative to the kill."""
     lossy = [x for x in lines if x["kind"] == "failover" and x.get("lost")]
     if not lossy:
         return ""
     items = [
-        f"--redis-min-replicas {x['min_replicas']}, failover {x['n'] + 1}: {x['lost']} lost, acknowledged "
-        f"{x['lost_acked_s'][0]:+.3f} to {x['lost_acked_s'][1]:+.3f} s from the kill"
+        f"{x['event']}, --redis-min-replicas {x['min_replicas']}, failover {x['n'] + 1}: {x['lost']} lost, "
+        f"acknowledged {x['lost_acked_s'][0]:+.3f} to {x['lost_acked_s'][1]:+.3f} s from the failover's start"
         for x in lossy
     ]
     return "\nLost acknowledged writes, by the kill nearest them:\n\n" + "\n".join(f"- {i}" for i in items) + "\n"
 
 
+def _latest_runs(jsonl: Path) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """The newest run of each event (kill -9, switchover): its meta line and its other lines."""
+    lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
+    newest: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    for meta in (x for x in lines if x["kind"] == "meta"):  # in order: a later run of an event replaces an earlier
+        run = [x for x in lines if x.get("run") == meta["run"] and x["kind"] != "meta"]
+        for x in run:
+            x.setdefault("event", EVENTS[False])  # runs written before switchovers were measured
+        if run:
+            newest[run[0]["event"]] = (meta, run)
+    return [newest[e] for e in EVENTS.values() if e in newest]
+
+
 def render(jsonl: Path) -> None:
-    meta, lines = latest_run(jsonl)
-    settings = [x for x in lines if x["kind"] == "setting"]
+    runs = _latest_runs(jsonl)
+    written = "; ".join(
+        f"`{meta['command']}` on {meta['machine']}, {meta['date']} (commit {meta['commit']})" for meta, _ in runs
+    )
     rows = "\n".join(
-        f"| {s['min_replicas']} | {s['failovers']} | {s['failover_s_p50']:.1f} | {s['write_gap_s_p50']:.1f} | "
-        f"{s['write_gap_s_max']:.1f} | {s['gap_over_failover_s_max']:.1f} | **{s['failed_predicts']}** of "
-        f"{s['predicts']:,} | {s['http_201']} / {s['http_503']} / {s['http_other']} | "
-        f"**{s['lost_acked_writes']}** of {s['acked_writes']:,} | {_resyncs(s, lines)} |"
-        for s in settings
+        f"| {s['event']} | {s['min_replicas']} | {s['failovers']} | {s['failover_s_p50']:.1f} | "
+        f"{s['write_gap_s_p50']:.1f} | {s['write_gap_s_max']:.1f} | {s['gap_over_failover_s_max']:.1f} | "
+        f"**{s['failed_predicts']}** of {s['predicts']:,} | {s['http_201']} / {s['http_503']} / {s['http_other']} | "
+        f"**{s['lost_acked_writes']}** of {s['acked_writes']:,} | {_resyncs(s, lines)} | {_doubles(s, lines)} |"
+        for _, lines in runs
+        for s in lines
+        if s["kind"] == "setting"
     )
     (OUT / "failover.md").write_text(
         "# Redis failover under load\n\n"
-        f"Written by `{meta['command']}` on {meta['machine']}, {meta['date']} (commit {meta['commit']}). "
+        f"Written by {written}. "
         "Per setting: a primary, two replicas and three Sentinels (down-after-milliseconds 1,000) as local "
         "processes, a `patchserve serve` on the redis+sentinel:// URL, 4 clients predicting back to back, one "
         "registration a second over HTTP and a writer registering straight into the registry (flat out from 0.5 s "
-        "before each kill until it gets through to the new primary, 10 a second otherwise). Each failover: kill -9 the "
-        "primary after 3 s of load, wait for the Sentinels to promote a replica, bring the killed node back as a "
-        "replica, and wait until every Sentinel sees both replicas in sync (the next failure meets a healthy "
-        "deployment).\n\n"
-        "failover = the kill -> the Sentinels name another primary. write gap = the longest pause between "
-        "acknowledged writes, from the last one before the kill to the next kill. lost = acknowledged (201, or the "
-        "writer's put returned) but not in the registry afterwards with that patch.\n\n"
+        "before each failover until it gets through to the new primary, 10 a second otherwise). Each failover, "
+        "after 3 s of load: **kill -9** the primary, wait for the Sentinels to promote a replica and bring the killed "
+        "node back as a replica; or a **switchover** (`SENTINEL FAILOVER`, as before maintenance: a replica is "
+        "promoted while the primary lives on, and the Sentinels then make the old primary a replica). Then wait "
+        "until every Sentinel sees both replicas in sync (the next failover meets a healthy deployment).\n\n"
+        "failover = the kill (or the switchover's start) -> the Sentinels name another primary. write gap = the "
+        "longest pause between acknowledged writes, from the last one before the failover to the next failover. "
+        "lost = acknowledged (201, or the writer's put returned) but not in the registry afterwards with that "
+        "patch.\n\n"
         "Goals (issue 27): 0 failed predictions; writes unavailable for <= the failover time + 2 s; with "
         "--redis-min-replicas 1, 0 acknowledged writes lost over at least 20 failovers.\n\n"
-        "| min replicas | failovers | failover s (p50) | write gap s (p50) | max | gap - failover s (max) | failed "
-        "predicts | HTTP 201 / 503 / other | lost acknowledged writes | survivor's resync: full (their write gaps) "
-        "|\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n" + rows + "\n\n"
+        "| primary | min replicas | failovers | failover s (p50) | write gap s (p50) | max | gap - failover s (max) "
+        "| failed predicts | HTTP 201 / 503 / other | lost acknowledged writes | survivor's resync: full (their "
+        "write gaps) | double failovers (their write gaps); writes refused for a second primary |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|\n" + rows + "\n\n"
         "A failover's surviving replica resyncs with the new primary: partially (PSYNC: it continues from its "
         "offset) or, where it cannot, fully (the new primary sends a new copy of the data set). With "
-        "--redis-min-replicas 1, writes wait for that replica to be attached to the new primary again.\n"
-        + _losses(lines)
+        "--redis-min-replicas 1, writes wait for that replica to be attached to the new primary again.\n\n"
+        "Two primaries at once: in a switchover, the old primary takes writes until the Sentinels demote it, with "
+        "the other replica still attached until they repoint it; after a kill -9, in a double failover (a "
+        "Sentinel sees the primary it has just promoted as down -- no answer to its ping within "
+        "down-after-milliseconds on these 2 busy cores, while the other Sentinels' answers about the killed node, "
+        "under 5 s old, still count towards its quorum -- and promotes the other replica). Writes made on the old "
+        "side then pass WAIT 1 and are dropped when it is demoted: acknowledged writes were lost that way before "
+        "patchserve checked, after each write's WAIT, that the Sentinels still name its node primary and that no "
+        "replica they list acts as one (DurableWrites). Such writes are now refused (503, may be lost): the last "
+        "column counts them.\n" + "".join(_losses(lines) for _, lines in runs)
     )
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
-    for s in settings:
-        gaps = [x["write_gap_s"] for x in lines if x["kind"] == "failover" and x["min_replicas"] == s["min_replicas"]]
-        ax.plot(range(1, len(gaps) + 1), gaps, marker="o", label=f"--redis-min-replicas {s['min_replicas']}")
-    failover = [x["failover_s"] for x in lines if x["kind"] == "failover"]
+    for _, lines in runs:
+        for s in (x for x in lines if x["kind"] == "setting"):
+            gaps = [
+                x["write_gap_s"] for x in lines if x["kind"] == "failover" and x["min_replicas"] == s["min_replicas"]
+            ]
+            label = f"{s['event']}, --redis-min-replicas {s['min_replicas']}"
+            ax.plot(range(1, len(gaps) + 1), gaps, marker="o", markersize=3, label=label)
+    failover = [x["failover_s"] for _, lines in runs for x in lines if x["kind"] == "failover"]
     ax.axhline(statistics.median(failover), color="grey", linestyle="--", label="Sentinel failover (median)")
     ax.set_xlabel("failover")
     ax.set_ylabel("write gap (s)")
-    ax.set_title("writes unavailable around each kill -9 of the primary")
+    ax.set_title("writes unavailable around each failover of the primary")
     ax.legend()
     fig.tight_layout()
     fig.savefig(OUT / "failover.png", dpi=100)
@@ -338,6 +401,11 @@ def main() -> None:
     ap.add_argument("--min-replicas", default="0,1", help="--redis-min-replicas settings to run (comma-separated)")
     ap.add_argument("--model", default=FREE_MODEL, help="the server's encoder (default FREE: costs almost nothing)")
     ap.add_argument("--out", type=Path, default=OUT / "failover.jsonl", help="JSON lines of full runs (appended)")
+    ap.add_argument(
+        "--switchover",
+        action="store_true",
+        help="planned failovers (SENTINEL FAILOVER while the primary lives on) instead of kill -9 of the primary",
+    )
     ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from --out")
     args = ap.parse_args()
     if args.render:
@@ -349,7 +417,7 @@ def main() -> None:
         work = Path(tmp)
         model = model_source(args.model, work)
         for m in (int(x) for x in args.min_replicas.split(",")):
-            events, summary = run_setting(m, failovers, work, model)
+            events, summary = run_setting(m, failovers, work, model, args.switchover)
             lines += [*events, summary]
             print(json.dumps(summary), file=sys.stderr)
     if not args.quick:

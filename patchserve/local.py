@@ -147,6 +147,7 @@ class SentinelRedis:
         folder = self.workdir / f"redis-{port}"
         folder.mkdir(parents=True, exist_ok=True)
         args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]
+        args += ["--logfile", str(folder / "redis.log")]  # appended to across restarts: what to read after a failure
         if replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(replica_of)]
         proc = subprocess.Popen([_redis_server(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,6 +163,7 @@ class SentinelRedis:
             f"sentinel down-after-milliseconds {self.SERVICE} {self.down_after_ms}\n"
             f"sentinel failover-timeout {self.SERVICE} 10000\n"
             f"sentinel parallel-syncs {self.SERVICE} 1\n"
+            f"logfile {self.workdir / f'sentinel-{port}.log'}\n"
         )
         proc = subprocess.Popen(
             [_redis_server(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -185,6 +187,22 @@ class SentinelRedis:
         """The port of the node the Sentinels name primary now (None while none answers)."""
         found = self._ask("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
         return int(found[1]) if isinstance(found, list) and found else None
+
+    def promotions(self) -> int:
+        """How many replicas the Sentinels have promoted since the start (the highest config epoch any of them
+        reports): one per failover, more when a Sentinel started another on a primary it wrongly saw as down."""
+        import redis
+
+        epochs = [0]
+        for port in self.sentinel_ports:
+            with contextlib.suppress(redis.RedisError):
+                client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+                try:
+                    found = client.execute_command("SENTINEL", "MASTER", self.SERVICE)
+                finally:
+                    client.close()
+                epochs.append(int(found["config-epoch"]))
+        return max(epochs)
 
     def replica_ports(self) -> set[int]:
         """The ports of the replicas the Sentinels see up and in sync with the primary now."""
@@ -233,6 +251,14 @@ class SentinelRedis:
             raise RuntimeError("the Sentinels name no primary that this deployment started")
         self.nodes[port].kill()
         self.nodes[port].wait(timeout=10)
+        return port
+
+    def switchover(self) -> int:
+        """A planned failover (SENTINEL FAILOVER, as before maintenance): the Sentinels promote a replica while the
+        primary lives on, then make the old primary a replica. Returns its port."""
+        port = self.primary_port()
+        if port is None or self._ask("SENTINEL", "FAILOVER", self.SERVICE) is None:
+            raise RuntimeError("no Sentinel took the switchover")
         return port
 
     def wait_for_failover(self, old: int, timeout: float = 30.0) -> int:

@@ -203,6 +203,93 @@ def test_with_min_replicas_1_no_acknowledged_write_is_lost_over_failovers(tmp_pa
         deployment.stop()
 
 
+def test_a_write_is_not_acknowledged_while_a_replica_acts_as_a_second_primary(tmp_path, tiny_encoder):
+    """The loss the failover benchmark found: Sentinel promotes a replica while the primary lives on with the other
+    replica still attached, so WAIT 1 passes on the old side, whose writes are dropped when it is demoted. A write
+    made then is refused (503, "may be lost"), not acknowledged; before and after, writes are acknowledged."""
+    deployment = SentinelRedis(tmp_path / "redis", replicas=2)
+    try:
+        reg = open_registry(deployment.url, min_replicas=1)
+        assert reg.put(make_patch(tiny_encoder, seed=1)).version == 1
+        rogue = min(deployment.replica_ports())
+        redis.Redis(port=rogue).execute_command("REPLICAOF", "NO", "ONE")  # what a Sentinel's promotion does first
+        with pytest.raises(ReplicationError, match=rf"replica 127\.0\.0\.1:{rogue} acts as a primary too.*may be lost"):
+            reg.put(make_patch(tiny_encoder, seed=2))
+        assert [v.version for v in reg.versions("sentiment")] == [1, 2]  # made on the old side, not acknowledged
+        primary = deployment.primary_port()
+        redis.Redis(port=rogue).execute_command("REPLICAOF", "127.0.0.1", str(primary))
+        deadline = time.monotonic() + 30
+        while rogue not in deployment.replica_ports() or redis.Redis(port=rogue).role()[0] != b"slave":
+            assert time.monotonic() < deadline, "the replica did not rejoin"
+            time.sleep(0.1)
+        assert reg.put(make_patch(tiny_encoder, seed=3)).version == 3
+        reg.close()
+    finally:
+        deployment.stop()
+
+
+def test_with_min_replicas_1_a_planned_switchover_loses_no_acknowledged_write(tmp_path, tiny_encoder):
+    """SENTINEL FAILOVER (what an operator runs before maintenance) promotes a replica while the old primary still
+    takes writes, with the other replica attached until the Sentinels repoint it: writes made there in that window
+    pass WAIT 1 and are dropped when the old primary is demoted (thousands a switchover without the check after
+    WAIT). Registrations and job submissions in a loop through two switchovers: all acknowledged ones are there."""
+    deployment = SentinelRedis(tmp_path / "redis", replicas=2)
+    try:
+        reg = open_registry(deployment.url, min_replicas=1)
+        queue = JobQueue(deployment.url, min_replicas=1)
+        patches = [make_patch(tiny_encoder, seed=s) for s in range(1, 8)]
+        acked: list[tuple[int, str]] = []
+        jobs: list[str] = []
+        refused, stop = [0], threading.Event()
+        data = {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}
+
+        def write_all_along() -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    info = reg.put(patches[i % len(patches)])
+                    acked.append((info.version, info.patch_id))
+                    jobs.append(queue.submit({"task": "sentiment"}, data).id)
+                except RegistryUnavailableError:
+                    refused[0] += 1
+                    time.sleep(0.01)
+                i += 1
+
+        thread = threading.Thread(target=write_all_along)
+        thread.start()
+        try:
+            for _ in range(2):
+                time.sleep(1.0)
+                old = deployment.primary_port()
+                assert old is not None
+                redis.Redis(port=deployment.sentinel_ports[0]).execute_command(
+                    "SENTINEL", "FAILOVER", SentinelRedis.SERVICE
+                )
+                deployment.wait_for_failover(old)
+                deadline = time.monotonic() + 60
+                while not deployment.healthy(2):
+                    assert time.monotonic() < deadline, "the old primary did not rejoin as a replica"
+                    time.sleep(0.1)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+        assert deployment.promotions() == 2
+        stored = {v.version: v.patch_id for v in reg.versions("sentiment")}
+        lost = [(v, p) for v, p in acked if stored.get(v) != p]
+        assert lost == [] and len(acked) > 10, (len(acked), lost[:5], len(lost))
+        missing = []
+        for job_id in jobs:
+            try:
+                queue.get(job_id)
+            except JobNotFoundError:
+                missing.append(job_id)
+        assert missing == [] and len(jobs) > 10
+        assert refused[0] > 0  # writes on the old side were refused, not acknowledged
+    finally:
+        deployment.stop()
+
+
 def test_a_write_no_replica_confirms_answers_503_saying_it_may_have_happened(redis_url, tiny_bert_dir, tiny_encoder):
     """--redis-min-replicas 1 on a Redis without replicas: the registration is made on the primary, but the server
     answers 503 (Retry-After) saying so, and the client can see it is there; a job submission likewise."""

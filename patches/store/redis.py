@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from patches.errors import (
     RegistryError,
@@ -113,13 +113,22 @@ class DurableWrites:
     broken connection silently (when it takes one from its pool, and when it retries a command), so each write is
     bracketed by the connection's identity, the server's run id and the connection's client id: if they differ
     after the WAIT, the connection was replaced, and the answer is a ReplicationError (the write may or may not
-    have been made), never an acknowledgement. The connection does not retry commands either."""
+    have been made), never an acknowledgement. The connection does not retry commands either.
+
+    Through Sentinel, a write that enough replicas hold can still be lost when the Sentinels promote another
+    replica while the primary it was made on lives on (a second failover started on a healthy new primary that
+    answered a Sentinel's ping late: the old side keeps a replica attached, so WAIT still passes, until the
+    Sentinels demote it and its writes are dropped). So the write is acknowledged only when, after its WAIT,
+    ``PrimaryCheck`` finds the node still the one the Sentinels name primary and no replica they list acting as a
+    primary. What it cannot catch: a write that reached only the replica not promoted, in the milliseconds before
+    a promotion."""
 
     def __init__(self, conn_url: str, min_replicas: int, what: str, wait_s: float = REPLICA_WAIT_S) -> None:
         if min_replicas < 0:
             raise RegistryError(f"--redis-min-replicas must be 0 or more, got {min_replicas}")
         self.min_replicas, self.what, self.wait_s = min_replicas, what, wait_s
         self._client = connect_redis(conn_url, max_connections=1, retry=False) if min_replicas else None
+        self._primary_check = PrimaryCheck.of(self._client) if self._client is not None else None
         self._lock = threading.Lock()
 
     def run(self, client: redis.Redis, write: Callable[[redis.Redis], T]) -> T:
@@ -142,11 +151,26 @@ class DurableWrites:
                     f"{self.min_replicas} replica(s) confirmed it: it may or may not have been made, and may not "
                     "survive a failover. Check whether it is there before retrying."
                 ) from exc
+            try:
+                confirmed = after == before and acked >= self.min_replicas
+                usurped = self._primary_check.usurped() if self._primary_check and confirmed else None
+            except redis.RedisError as exc:
+                raise ReplicationError(
+                    f"{self.what}: the write was made on the primary and {acked} replica(s) hold it, but the Sentinels "
+                    f"could not confirm that it is still the primary ({exc}): it may be lost in a failover. Check "
+                    "whether it is there before retrying."
+                ) from exc
         if after != before:
             raise ReplicationError(
                 f"{self.what}: the connection to the primary was replaced while the write waited for "
                 f"{self.min_replicas} replica(s) (a failover?): it may or may not have been made, and may not survive "
                 "it. Check whether it is there before retrying."
+            )
+        if usurped is not None:
+            raise ReplicationError(
+                f"{self.what}: the write was made on the primary and {acked} replica(s) hold it, but {usurped} (a "
+                "failover is under way): it may be lost when the old primary is demoted. Check whether it is there "
+                "before retrying."
             )
         if acked < self.min_replicas:
             raise ReplicationError(
@@ -164,6 +188,68 @@ class DurableWrites:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+        if self._primary_check is not None:
+            self._primary_check.close()
+
+
+class PrimaryCheck:
+    """Whether the primary a Sentinel-managed client is connected to is still the only one: asked after a write's
+    WAIT, before it is acknowledged (see ``DurableWrites``)."""
+
+    NODE_TIMEOUT_S = 0.5  # a replica that does not answer in this long is not asked (a dead node takes no writes)
+
+    def __init__(self, pool: SentinelConnectionPool) -> None:
+        self.pool = pool
+        self._nodes: dict[tuple[str, int], redis.Redis] = {}
+
+    @classmethod
+    def of(cls, client: redis.Redis) -> PrimaryCheck | None:
+        """A check for ``client`` when it reaches its primary through Sentinel; None otherwise (nothing to ask)."""
+        pool = client.connection_pool
+        return cls(pool) if isinstance(pool, SentinelConnectionPool) else None
+
+    def usurped(self) -> str | None:
+        """None while the node the client is connected to is the primary the Sentinels name and no replica they list
+        acts as a primary; otherwise what is wrong, in words. Sentinels that cannot be asked raise a ConnectionError
+        (redis-py's MasterNotFoundError): the write is not acknowledged then either."""
+        ours = self.pool.master_address
+        manager, service = self.pool.sentinel_manager, self.pool.service_name
+        named = manager.discover_master(service)
+        if ours is None or tuple(named) != tuple(ours):
+            return f"the Sentinels now name {_address(named)} primary, not {_address(ours)}"
+        for address in manager.discover_slaves(service):
+            if tuple(address) == tuple(ours):
+                continue
+            try:
+                role = self._node(address).execute_command("ROLE")
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue
+            if role and (role[0].decode() if isinstance(role[0], bytes) else str(role[0])) == "master":
+                return f"replica {_address(address)} acts as a primary too"
+        return None
+
+    def _node(self, address: tuple[str, int]) -> redis.Redis:
+        if address not in self._nodes:
+            kwargs = self.pool.connection_kwargs
+            self._nodes[address] = redis.Redis(
+                host=address[0],
+                port=int(address[1]),
+                username=kwargs.get("username"),
+                password=kwargs.get("password"),
+                socket_connect_timeout=self.NODE_TIMEOUT_S,
+                socket_timeout=self.NODE_TIMEOUT_S,
+                retry=Retry(NoBackoff(), 0),
+            )
+        return self._nodes[address]
+
+    def close(self) -> None:
+        for client in self._nodes.values():
+            client.close()
+        self._nodes.clear()
+
+
+def _address(address: tuple[str, int] | None) -> str:
+    return "no node" if address is None else f"{address[0]}:{address[1]}"
 
 
 def _refusal_hint(exc: redis.ResponseError) -> str | None:
