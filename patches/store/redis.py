@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 from patches.errors import (
     RegistryError,
@@ -76,6 +76,17 @@ def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str |
     return sentinels, path[0], int(path[1]) if len(path) == 2 else 0, password, sentinel_password
 
 
+class _Sentinels(Sentinel):
+    """redis-py's Sentinel client, except that a Sentinel in the middle of failing the primary over is not asked
+    which node is primary: it names the old one until its failover ends (seconds after the others already name
+    the new one), and in a switchover the old one still answers and takes writes that will be dropped."""
+
+    def check_master_state(self, state: dict[str, Any], service_name: str) -> bool:
+        if "failover_in_progress" in str(state.get("flags", "")).split(","):
+            return False
+        return bool(super().check_master_state(state, service_name))
+
+
 def connect_redis(conn_url: str, *, max_connections: int | None = None, retry: bool = True) -> redis.Redis:
     """A client for ``conn_url`` (no ``prefix``): ``redis://``, ``rediss://`` and ``unix://`` directly;
     ``redis+sentinel://`` to whichever node the Sentinels name primary, asking them again whenever it fails or
@@ -87,7 +98,7 @@ def connect_redis(conn_url: str, *, max_connections: int | None = None, retry: b
     if not conn_url.startswith(SENTINEL_SCHEME + "://"):
         return redis.Redis.from_url(conn_url, max_connections=max_connections, **options)
     sentinels, service, db, password, sentinel_password = parse_sentinel_url(conn_url)
-    sentinel = Sentinel(
+    sentinel = _Sentinels(
         sentinels,
         sentinel_kwargs={"socket_connect_timeout": 2.0, "socket_timeout": 2.0, "password": sentinel_password},
         password=password,
@@ -145,6 +156,7 @@ class DurableWrites:
             try:
                 acked = int(self._client.wait(self.min_replicas, int(self.wait_s * 1000)))
                 after = self._identity()
+                replication = self._client.info("replication") if self._primary_check else {}
             except redis.RedisError as exc:
                 raise ReplicationError(
                     f"{self.what}: the write was sent to the primary, then the connection failed ({exc}) before "
@@ -152,8 +164,10 @@ class DurableWrites:
                     "survive a failover. Check whether it is there before retrying."
                 ) from exc
             try:
-                confirmed = after == before and acked >= self.min_replicas
-                usurped = self._primary_check.usurped() if self._primary_check and confirmed else None
+                # also when too few replicas confirmed: a node being demoted has lost them, and the next write must
+                # not go to it again
+                same = after == before
+                usurped = self._primary_check.usurped(replication) if self._primary_check and same else None
             except redis.RedisError as exc:
                 raise ReplicationError(
                     f"{self.what}: the write was made on the primary and {acked} replica(s) hold it, but the Sentinels "
@@ -167,9 +181,13 @@ class DurableWrites:
                 "it. Check whether it is there before retrying."
             )
         if usurped is not None:
+            # the next write (and read) asks the Sentinels again instead of going on with a node being demoted: it
+            # answers until they make it a replica, which can take them 10 s
+            self._client.connection_pool.disconnect()
+            client.connection_pool.disconnect(inuse_connections=False)
             raise ReplicationError(
                 f"{self.what}: the write was made on the primary and {acked} replica(s) hold it, but {usurped} (a "
-                "failover is under way): it may be lost when the old primary is demoted. Check whether it is there "
+                "failover is under way): it may be lost when this primary is demoted. Check whether it is there "
                 "before retrying."
             )
         if acked < self.min_replicas:
@@ -208,24 +226,40 @@ class PrimaryCheck:
         pool = client.connection_pool
         return cls(pool) if isinstance(pool, SentinelConnectionPool) else None
 
-    def usurped(self) -> str | None:
-        """None while the node the client is connected to is the primary the Sentinels name and no replica they list
-        acts as a primary; otherwise what is wrong, in words. Sentinels that cannot be asked raise a ConnectionError
-        (redis-py's MasterNotFoundError): the write is not acknowledged then either."""
-        ours = self.pool.master_address
+    def usurped(self, ours: dict[str, Any]) -> str | None:
+        """None while the node the client is connected to (``ours``: its INFO replication) is a primary the Sentinels
+        name and no other node they know acts as a primary, other than the node ours took over from (in a switchover
+        the old primary answers as one until the Sentinels demote it: its writes are the ones at risk, not ours).
+        Otherwise what is wrong, in words. Every Sentinel is asked: during a failover they disagree for a second
+        or two. When none can be asked, a ConnectionError (redis-py's MasterNotFoundError): the write is not
+        acknowledged then either."""
+        address = self.pool.master_address
         manager, service = self.pool.sentinel_manager, self.pool.service_name
-        named = manager.discover_master(service)
-        if ours is None or tuple(named) != tuple(ours):
-            return f"the Sentinels now name {_address(named)} primary, not {_address(ours)}"
-        for address in manager.discover_slaves(service):
-            if tuple(address) == tuple(ours):
-                continue
+        named: set[tuple[str, int]] = set()
+        known: set[tuple[str, int]] = set()
+        for sentinel in manager.sentinels:
             try:
-                role = self._node(address).execute_command("ROLE")
+                state = sentinel.sentinel_masters().get(service)
+                replicas = sentinel.sentinel_slaves(service)
             except (redis.ConnectionError, redis.TimeoutError):
                 continue
-            if role and (role[0].decode() if isinstance(role[0], bytes) else str(role[0])) == "master":
-                return f"replica {_address(address)} acts as a primary too"
+            if state and manager.check_master_state(state, service):
+                named.add((state["ip"], int(state["port"])))
+            known.update((r["ip"], int(r["port"])) for r in replicas if not (r["is_sdown"] or r["is_odown"]))
+        if not named:
+            raise MasterNotFoundError(f"no Sentinel of {service!r} names a primary")
+        if address is None or tuple(address) not in named:
+            return f"the Sentinels name {', '.join(sorted(map(_address, named)))} primary, not {_address(address)}"
+        for other in sorted((named | known) - {tuple(address)}):
+            try:
+                theirs = self._node(other).info("replication")
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue
+            # a promoted replica keeps its old primary's replication id as master_replid2: that old primary, still
+            # answering as one, is ours's predecessor; any other node acting as a primary may be its successor
+            predecessor = theirs.get("master_replid") == ours.get("master_replid2")
+            if theirs.get("role") == "master" and not predecessor:
+                return f"{_address(other)} acts as a primary too"
         return None
 
     def _node(self, address: tuple[str, int]) -> redis.Redis:
