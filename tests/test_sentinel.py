@@ -146,59 +146,72 @@ def test_a_server_follows_a_failover_without_a_restart(tmp_path, sentinel_redis,
         assert failed == [] and answered[0] > 10
 
 
-def test_with_min_replicas_1_no_acknowledged_write_is_lost_over_failovers(tmp_path, tiny_encoder):
-    """Registrations and job submissions in a loop while the primary is killed -9 three times (two replicas, so one
-    is left to confirm writes after each failover): every version answered and every job answered is there after,
-    with the patch it was answered for."""
-    deployment = SentinelRedis(tmp_path / "redis", replicas=2)
-    try:
-        reg = open_registry(deployment.url, min_replicas=1)
-        queue = JobQueue(deployment.url, min_replicas=1)
-        patches = [make_patch(tiny_encoder, seed=s) for s in range(1, 8)]
-        acked: list[tuple[int, str]] = []
-        jobs: list[str] = []
-        refused, stop = [0], threading.Event()
-        data = {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}
+def _writes_survive(deployment: SentinelRedis, encoder, fail_over) -> None:
+    """Registrations and job submissions at --redis-min-replicas 1 in a loop while ``fail_over()`` runs: every
+    version answered and every job answered is there after, with the patch it was answered for, and some writes
+    were refused (the failovers were felt, not silently taken)."""
+    reg = open_registry(deployment.url, min_replicas=1)
+    queue = JobQueue(deployment.url, min_replicas=1)
+    patches = [make_patch(encoder, seed=s) for s in range(1, 8)]
+    acked: list[tuple[int, str]] = []
+    jobs: list[str] = []
+    refused, stop = [0], threading.Event()
+    data = {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}
 
-        def write_all_along() -> None:
-            i = 0
-            while not stop.is_set():
-                try:
-                    info = reg.put(patches[i % len(patches)])
-                    acked.append((info.version, info.patch_id))
-                    jobs.append(queue.submit({"task": "sentiment"}, data).id)
-                except RegistryUnavailableError:
-                    refused[0] += 1
-                    time.sleep(0.05)
-                i += 1
-
-        thread = threading.Thread(target=write_all_along)
-        thread.start()
-        try:
-            for _ in range(3):
-                time.sleep(0.5)
-                old = deployment.kill_primary()
-                deployment.wait_for_failover(old)
-                deployment.restart_as_replica(old)
-                deadline = time.monotonic() + 60
-                while len(deployment.replica_ports()) < 2:
-                    assert time.monotonic() < deadline, "the replicas did not come back"
-                    time.sleep(0.1)
-            time.sleep(0.5)
-        finally:
-            stop.set()
-            thread.join(timeout=30)
-        stored = {v.version: v.patch_id for v in reg.versions("sentiment")}
-        lost = [(v, p) for v, p in acked if stored.get(v) != p]
-        assert lost == [] and len(acked) > 10, (len(acked), lost)
-        missing = []
-        for job_id in jobs:
+    def write_all_along() -> None:
+        i = 0
+        while not stop.is_set():
             try:
-                queue.get(job_id)
-            except JobNotFoundError:
-                missing.append(job_id)
-        assert missing == [] and len(jobs) > 10
-        assert refused[0] > 0  # the failovers were felt: writes were refused, not silently taken
+                info = reg.put(patches[i % len(patches)])
+                acked.append((info.version, info.patch_id))
+                jobs.append(queue.submit({"task": "sentiment"}, data).id)
+            except RegistryUnavailableError:
+                refused[0] += 1
+                time.sleep(0.02)
+            i += 1
+
+    thread = threading.Thread(target=write_all_along)
+    thread.start()
+    try:
+        fail_over()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    stored = {v.version: v.patch_id for v in reg.versions("sentiment")}
+    lost = [(v, p) for v, p in acked if stored.get(v) != p]
+    assert lost == [] and len(acked) > 10, (len(acked), len(lost), lost[:5])
+    missing = []
+    for job_id in jobs:
+        try:
+            queue.get(job_id)
+        except JobNotFoundError:
+            missing.append(job_id)
+    assert missing == [] and len(jobs) > 10
+    assert refused[0] > 0
+
+
+def _until(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_with_min_replicas_1_no_acknowledged_write_is_lost_over_failovers(tmp_path, tiny_encoder):
+    """The primary killed -9 three times (two replicas, so one is left to confirm writes after each failover)."""
+    deployment = SentinelRedis(tmp_path / "redis", replicas=2)
+
+    def kill_three_times() -> None:
+        for _ in range(3):
+            time.sleep(0.5)
+            old = deployment.kill_primary()
+            deployment.wait_for_failover(old)
+            deployment.restart_as_replica(old)
+            _until(lambda: len(deployment.replica_ports()) >= 2, "the replicas did not come back")
+
+    try:
+        _writes_survive(deployment, tiny_encoder, kill_three_times)
     finally:
         deployment.stop()
 
@@ -232,60 +245,18 @@ def test_with_min_replicas_1_a_planned_switchover_loses_no_acknowledged_write(tm
     """SENTINEL FAILOVER (what an operator runs before maintenance) promotes a replica while the old primary still
     takes writes, with the other replica attached until the Sentinels repoint it: writes made there in that window
     pass WAIT 1 and are dropped when the old primary is demoted (thousands a switchover without the check after
-    WAIT). Registrations and job submissions in a loop through two switchovers: all acknowledged ones are there."""
+    WAIT). Two switchovers under registrations and job submissions."""
     deployment = SentinelRedis(tmp_path / "redis", replicas=2)
+
+    def switch_over_twice() -> None:
+        for _ in range(2):
+            time.sleep(1.0)
+            deployment.wait_for_failover(deployment.switchover())
+            _until(lambda: deployment.healthy(2), "the old primary did not rejoin as a replica")
+
     try:
-        reg = open_registry(deployment.url, min_replicas=1)
-        queue = JobQueue(deployment.url, min_replicas=1)
-        patches = [make_patch(tiny_encoder, seed=s) for s in range(1, 8)]
-        acked: list[tuple[int, str]] = []
-        jobs: list[str] = []
-        refused, stop = [0], threading.Event()
-        data = {"train": ("t.jsonl", b'{"text": "a", "label": "x"}\n')}
-
-        def write_all_along() -> None:
-            i = 0
-            while not stop.is_set():
-                try:
-                    info = reg.put(patches[i % len(patches)])
-                    acked.append((info.version, info.patch_id))
-                    jobs.append(queue.submit({"task": "sentiment"}, data).id)
-                except RegistryUnavailableError:
-                    refused[0] += 1
-                    time.sleep(0.01)
-                i += 1
-
-        thread = threading.Thread(target=write_all_along)
-        thread.start()
-        try:
-            for _ in range(2):
-                time.sleep(1.0)
-                old = deployment.primary_port()
-                assert old is not None
-                redis.Redis(port=deployment.sentinel_ports[0]).execute_command(
-                    "SENTINEL", "FAILOVER", SentinelRedis.SERVICE
-                )
-                deployment.wait_for_failover(old)
-                deadline = time.monotonic() + 60
-                while not deployment.healthy(2):
-                    assert time.monotonic() < deadline, "the old primary did not rejoin as a replica"
-                    time.sleep(0.1)
-            time.sleep(0.5)
-        finally:
-            stop.set()
-            thread.join(timeout=30)
+        _writes_survive(deployment, tiny_encoder, switch_over_twice)
         assert deployment.promotions() == 2
-        stored = {v.version: v.patch_id for v in reg.versions("sentiment")}
-        lost = [(v, p) for v, p in acked if stored.get(v) != p]
-        assert lost == [] and len(acked) > 10, (len(acked), lost[:5], len(lost))
-        missing = []
-        for job_id in jobs:
-            try:
-                queue.get(job_id)
-            except JobNotFoundError:
-                missing.append(job_id)
-        assert missing == [] and len(jobs) > 10
-        assert refused[0] > 0  # writes on the old side were refused, not acknowledged
     finally:
         deployment.stop()
 
