@@ -276,27 +276,26 @@ def run_setting(
     return lines, summary
 
 
+def _gaps_where(setting: dict[str, Any], lines: list[dict[str, Any]], keep: Any) -> str:
+    """How many of the setting's failovers ``keep(line)`` holds for, and their write gaps."""
+    gaps = [
+        x["write_gap_s"]
+        for x in lines
+        if x["kind"] == "failover" and x["min_replicas"] == setting["min_replicas"] and keep(x)
+    ]
+    return f"{len(gaps)}" + (f" ({', '.join(f'{g:.1f}' for g in gaps)} s)" if gaps else "")
+
+
 def _resyncs(setting: dict[str, Any], lines: list[dict[str, Any]]) -> str:
     if "survivor_full_resyncs" not in setting:
         return "-"
-    full = [
-        x["write_gap_s"]
-        for x in lines
-        if x["kind"] == "failover" and x["min_replicas"] == setting["min_replicas"] and x["survivor_resync"] == "full"
-    ]
-    return f"{len(full)}" + (f" ({', '.join(f'{g:.1f}' for g in full)} s)" if full else "")
+    return _gaps_where(setting, lines, lambda x: x["survivor_resync"] == "full")
 
 
 def _doubles(setting: dict[str, Any], lines: list[dict[str, Any]]) -> str:
     if "double_failovers" not in setting:
         return "-"
-    gaps = [
-        x["write_gap_s"]
-        for x in lines
-        if x["kind"] == "failover" and x["min_replicas"] == setting["min_replicas"] and x["promotions"] > 1
-    ]
-    listed = f" ({', '.join(f'{g:.1f}' for g in gaps)} s)" if gaps else ""
-    return f"{len(gaps)}{listed}; {setting['second_primary_refusals']}"
+    return f"{_gaps_where(setting, lines, lambda x: x['promotions'] > 1)}; {setting['second_primary_refusals']}"
 
 
 def _losses(lines: list[dict[str, Any]]) -> str:

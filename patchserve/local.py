@@ -188,61 +188,45 @@ class SentinelRedis:
         found = self._ask("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
         return int(found[1]) if isinstance(found, list) and found else None
 
+    def _ask_each(self, *command: str) -> list[Any]:
+        """Every Sentinel's answer to ``command``: None from one that does not answer."""
+        import redis
+
+        answers: list[Any] = []
+        for port in self.sentinel_ports:
+            client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            try:
+                answers.append(client.execute_command(*command))
+            except redis.RedisError:
+                answers.append(None)
+            finally:
+                client.close()
+        return answers
+
     def promotions(self) -> int:
         """How many replicas the Sentinels have promoted since the start (the highest config epoch any of them
         reports): one per failover, more when a Sentinel started another on a primary it wrongly saw as down."""
-        import redis
-
-        epochs = [0]
-        for port in self.sentinel_ports:
-            with contextlib.suppress(redis.RedisError):
-                client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
-                try:
-                    found = client.execute_command("SENTINEL", "MASTER", self.SERVICE)
-                finally:
-                    client.close()
-                epochs.append(int(found["config-epoch"]))
-        return max(epochs)
+        masters = self._ask_each("SENTINEL", "MASTER", self.SERVICE)
+        return max([0, *(int(m["config-epoch"]) for m in masters if m is not None)])
 
     def replica_ports(self) -> set[int]:
         """The ports of the replicas the Sentinels see up and in sync with the primary now."""
         found = self._ask("SENTINEL", "REPLICAS", self.SERVICE)
         replicas = found if isinstance(found, list) else []
-        return {
-            int(r["port"])
-            for r in replicas
-            if isinstance(r, dict)
-            and not {"s_down", "o_down", "disconnected"} & set(str(r.get("flags", "")).split(","))
-            and r.get("master-link-status") == "ok"
-        }
+        return {int(r["port"]) for r in replicas if isinstance(r, dict) and _in_sync(r)}
 
     def healthy(self, replicas: int) -> bool:
         """Every Sentinel names the same primary and sees ``replicas`` replicas up and in sync with it. A Sentinel
         learns of a replica from the primary's INFO, every 10 s: one that does not know a replica yet does not
         reconfigure it when it leads the next failover, and that replica stays behind the dead primary until the
         Sentinels find it (about 10 s). So a deployment is ready for its next failure only once all agree."""
-        import redis
-
-        primaries = set()
-        for port in self.sentinel_ports:
-            client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
-            try:
-                found = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
-                listed = client.execute_command("SENTINEL", "REPLICAS", self.SERVICE)
-            except redis.RedisError:
-                return False
-            finally:
-                client.close()
-            primaries.add(int(found[1]) if found else None)
-            ok = [
-                r
-                for r in listed or []
-                if not {"s_down", "o_down", "disconnected"} & set(str(r.get("flags", "")).split(","))
-                and r.get("master-link-status") == "ok"
-            ]
-            if len(ok) < replicas:
-                return False
-        return len(primaries) == 1 and None not in primaries
+        primaries = self._ask_each("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+        listed = self._ask_each("SENTINEL", "REPLICAS", self.SERVICE)
+        if not all(primaries) or None in listed:  # a Sentinel that did not answer, or knows no primary
+            return False
+        if any(sum(1 for r in each if _in_sync(r)) < replicas for each in listed):
+            return False
+        return len({int(p[1]) for p in primaries}) == 1
 
     def kill_primary(self) -> int:
         """kill -9 the primary; returns its port."""
@@ -287,6 +271,12 @@ class SentinelRedis:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
+
+
+def _in_sync(replica: dict[str, Any]) -> bool:
+    """Whether a Sentinel sees this replica (an entry of SENTINEL REPLICAS) up and in sync with its primary."""
+    flags = set(str(replica.get("flags", "")).split(","))
+    return not {"s_down", "o_down", "disconnected"} & flags and replica.get("master-link-status") == "ok"
 
 
 def _redis_server() -> str:

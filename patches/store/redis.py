@@ -129,10 +129,10 @@ class DurableWrites:
     Through Sentinel, a write that enough replicas hold can still be lost when the Sentinels promote another
     replica while the primary it was made on lives on (a second failover started on a healthy new primary that
     answered a Sentinel's ping late: the old side keeps a replica attached, so WAIT still passes, until the
-    Sentinels demote it and its writes are dropped). So the write is acknowledged only when, after its WAIT,
-    ``PrimaryCheck`` finds the node still the one the Sentinels name primary and no replica they list acting as a
-    primary. What it cannot catch: a write that reached only the replica not promoted, in the milliseconds before
-    a promotion."""
+    Sentinels demote it and its writes are dropped; in a switchover, every time). So the write is acknowledged
+    only when, after its WAIT, ``PrimaryCheck`` finds its node a primary the Sentinels name and no other node they
+    know acting as one (the node it took over from excepted). What it cannot catch: a write that reached only the
+    replica not promoted, in the milliseconds before a promotion."""
 
     def __init__(self, conn_url: str, min_replicas: int, what: str, wait_s: float = REPLICA_WAIT_S) -> None:
         if min_replicas < 0:
@@ -248,9 +248,9 @@ class PrimaryCheck:
             known.update((r["ip"], int(r["port"])) for r in replicas if not (r["is_sdown"] or r["is_odown"]))
         if not named:
             raise MasterNotFoundError(f"no Sentinel of {service!r} names a primary")
-        if address is None or tuple(address) not in named:
+        if address not in named:
             return f"the Sentinels name {', '.join(sorted(map(_address, named)))} primary, not {_address(address)}"
-        for other in sorted((named | known) - {tuple(address)}):
+        for other in sorted((named | known) - {address}):
             try:
                 theirs = self._node(other).info("replication")
             except (redis.ConnectionError, redis.TimeoutError):
