@@ -11,6 +11,7 @@ from torch import nn
 
 from patches.bitfit import bias_parameters, target_names
 from patches.model import TaskModel
+from patches.packed import add_exact_attention, dropout, keep_mask
 from patches.packed_model import PackedTaskModel, joint_forward, training_bert
 from tests.test_trainer import _config, _data
 from trainer.train import Features, _set_dropout, collate, featurize, loss_fn, train_patch
@@ -197,6 +198,61 @@ def test_dropout_is_applied_in_training_only(tiny_encoder):
     attention = PackedTaskModel(tiny_encoder.model, [head], "classification", "mean", trained, attention_dropout=0.3)
     attention.train()
     assert not torch.allclose(attention(*args), attention(*args))
+
+
+def test_keep_masks_keep_each_element_independently_at_the_rate_asked():
+    n = 4_000_000
+    for keep in (0.9, 0.5, 0.03):
+        torch.manual_seed(1)
+        mask = keep_mask((n,), keep)
+        sigma = (keep * (1 - keep) / n) ** 0.5
+        # the two 32-bit halves of each 64-bit draw (even and odd positions), and neighbours across them
+        for part, share in (
+            ("all", mask.float().mean()),
+            ("even", mask[0::2].float().mean()),
+            ("odd", mask[1::2].float().mean()),
+        ):
+            assert abs(float(share) - keep) < 5 * sigma * (2**0.5 if part != "all" else 1), (keep, part, share)
+        both = (mask[0::2] & mask[1::2]).float().mean()
+        assert abs(float(both) - keep**2) < 5 * (keep**2 * (1 - keep**2) / (n // 2)) ** 0.5, (keep, both)
+    torch.manual_seed(7)
+    first = keep_mask((3, 1001), 0.5)
+    torch.manual_seed(7)
+    assert torch.equal(keep_mask((3, 1001), 0.5), first)  # torch.manual_seed governs it
+    assert first.shape == (3, 1001) and not torch.equal(keep_mask((3, 1001), 0.5), first)
+
+
+def test_dropout_zeroes_and_rescales_and_its_gradient_uses_the_same_mask():
+    x = torch.randn(64, 257, requires_grad=True)
+    assert dropout(x, 0.0) is x
+    y = dropout(x, 0.25)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
+    assert 0.6 < kept.float().mean() < 0.9
+    y.backward(torch.ones_like(y))
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, kept.float() / 0.75)
+
+
+def test_attention_written_out_for_dropout_equals_the_fused_one(tiny_encoder):
+    """On the CPU, attention with dropout is written out (so its mask is ``keep_mask``'s); at a rate that never drops
+    it must give the fused path's values and gradients, padding rows and masked keys included."""
+    packed = training_bert(tiny_encoder.model)
+    batch = _batch(tiny_encoder.tokenizer, "classification", 2)
+    model = PackedTaskModel(tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 2)], "classification", "mean", [])
+    b, lengths = model.pack(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    add_exact_attention(b, lengths)
+    torch.manual_seed(0)
+    qkv = torch.randn(sum(lengths), 3 * packed.hidden)
+    outs, grads = [], []
+    for rate in (0.0, 1e-12):  # 1e-12: the written-out path; a mask drops with probability 2^-32
+        leaf = qkv.clone().requires_grad_()
+        out = packed._attend(leaf, b, "exact", rate)
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin())
+        outs.append(out)
+        grads.append(leaf.grad)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-5)
 
 
 def test_train_patch_packs_bitfit_and_pads_full_fine_tuning(tmp_path, tiny_encoder):
