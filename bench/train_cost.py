@@ -327,6 +327,12 @@ WHY = [
     "dropout mask or an elementwise op, so every one of those costs shrinks by the share of padding in a batch of "
     "Rotten Tomatoes rows (batches padded to their longest row are about half padding). Attention alone is still "
     "padded per row (exactly, with a key mask). The gradients are the padded model's (tests/test_packed_training.py).",
+    "",
+    "Dropout masks (issue 25 item 5, 2026-11-25): on the CPU the packed model draws its masks with "
+    "`patches.packed.keep_mask` (torch's generator, 64 bits a draw read as two 32-bit uniforms, one compare), "
+    "~2.5x cheaper than `bernoulli_`, and writes attention out in training so its dropout uses them (which also "
+    "skips the math path's fully-masked-row checks). The distribution is the same (tests check the keep rates and "
+    "the gradient); rows from 2026-11-25 on include it.",
 ]
 
 
