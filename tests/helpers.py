@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 from transformers import BertTokenizerFast
@@ -126,3 +127,11 @@ def synthetic_rows(kind: str, n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def wait_until(pred, timeout: float = 20.0, what: str = "condition", interval: float = 0.01) -> None:
+    """Poll ``pred()`` every ``interval`` seconds until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)

@@ -22,7 +22,7 @@ from patches.model import TaskModel
 from patches.store import redact_url
 from server.app import create_app
 from server.settings import ServerSettings
-from tests.helpers import make_patch, start_redis, synthetic_rows
+from tests.helpers import make_patch, start_redis, synthetic_rows, wait_until
 
 
 def settings_for(registry: str, model_dir, **kw) -> ServerSettings:
@@ -461,13 +461,6 @@ def test_body_limits_hold_with_and_without_a_content_length(make_client, tiny_en
     )
     assert r.status_code == 413 and "16384 bytes" in r.json()["detail"], r.text
     assert [t["version"] for t in client.get("/tasks").json()] == [1]  # nothing was registered
-
-
-def wait_until(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _traffic(client, task, stop, results, errors):

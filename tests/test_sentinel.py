@@ -17,7 +17,7 @@ from patches.jobs import JobNotFoundError, JobQueue
 from patches.store import open_registry, redact_url
 from patches.store.redis import parse_sentinel_url
 from patchserve.local import SentinelRedis
-from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
+from tests.helpers import free_port, make_patch, patchserve_process, wait_ready, wait_until
 
 
 @pytest.fixture
@@ -191,13 +191,6 @@ def _writes_survive(deployment: SentinelRedis, encoder, fail_over) -> None:
     assert refused[0] > 0
 
 
-def _until(check, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_with_min_replicas_1_no_acknowledged_write_is_lost_over_failovers(tmp_path, tiny_encoder):
     """The primary killed -9 three times (two replicas, so one is left to confirm writes after each failover)."""
     deployment = SentinelRedis(tmp_path / "redis", replicas=2)
@@ -208,7 +201,7 @@ def test_with_min_replicas_1_no_acknowledged_write_is_lost_over_failovers(tmp_pa
             old = deployment.kill_primary()
             deployment.wait_for_failover(old)
             deployment.restart_as_replica(old)
-            _until(lambda: len(deployment.replica_ports()) >= 2, "the replicas did not come back")
+            wait_until(lambda: len(deployment.replica_ports()) >= 2, 60, "the replicas to come back", interval=0.1)
 
     try:
         _writes_survive(deployment, tiny_encoder, kill_three_times)
@@ -252,7 +245,7 @@ def test_with_min_replicas_1_a_planned_switchover_loses_no_acknowledged_write(tm
         for _ in range(2):
             time.sleep(1.0)
             deployment.wait_for_failover(deployment.switchover())
-            _until(lambda: deployment.healthy(2), "the old primary did not rejoin as a replica")
+            wait_until(lambda: deployment.healthy(2), 60, "the old primary to rejoin as a replica", interval=0.1)
 
     try:
         _writes_survive(deployment, tiny_encoder, switch_over_twice)
