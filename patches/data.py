@@ -191,21 +191,43 @@ class Splits:
     dev: Dataset
     test: Dataset | None
     dev_carved: bool  # no dev file: dev is 10% of train (split_dev)
+    # tagging: tags of the dev or test file that no training sentence carries (the task's tag set takes them in)
+    untrained_tags: list[Label] = field(default_factory=list)
+
+    def untrained_warning(self) -> str | None:
+        """One line for the user when dev or test carries tags the training data never has, else None."""
+        if not self.untrained_tags:
+            return None
+        return (
+            f"warning: the dev/test files carry {len(self.untrained_tags)} tag(s) that no training sentence has "
+            f"({', '.join(map(str, self.untrained_tags[:10]))}): the patch gets outputs for them but cannot learn "
+            "them, so their tokens count as errors"
+        )
 
 
 def load_splits(
     train: DataFile, dev: DataFile | None = None, test: DataFile | None = None, kind: str | None = None, seed: int = 0
 ) -> Splits:
     """Train, dev and test of one task, as ``patchserve train``, ``submit``, ``POST /jobs`` and the worker read
-    them: dev and test must have train's kind and labels; without a dev file, dev is carved from train."""
+    them: dev and test must have train's kind and labels; without a dev file, dev is carved from train.
+
+    Tagging is the exception: a tag set is every tag the files name, since a large one (Brown's part-of-speech tags,
+    with their contractions such as ``pn+bez``) has rare tags that a training sample can miss. Those tags are listed
+    in ``untrained_tags``; a classification label missing from train is still an error."""
     train_ds = parse_dataset(train, kind=kind)
     labels = train_ds.labels or None
+    untrained: list[Label] = []
+    if train_ds.kind == "token-classification":
+        named = {str(t) for f in (dev, test) if f is not None for t in parse_dataset(f, kind=train_ds.kind).labels}
+        untrained = sorted(named - {str(t) for t in train_ds.labels})
+        labels = sorted([*map(str, train_ds.labels), *untrained])
+        train_ds = replace(train_ds, labels=labels)
     if dev is not None:
         dev_ds = parse_dataset(dev, kind=train_ds.kind, labels=labels)
     else:
         train_ds, dev_ds = split_dev(train_ds, seed=seed)
     test_ds = parse_dataset(test, kind=train_ds.kind, labels=labels) if test is not None else None
-    return Splits(train_ds, dev_ds, test_ds, dev is None)
+    return Splits(train_ds, dev_ds, test_ds, dev is None, untrained)
 
 
 def job_splits(files: Mapping[str, tuple[str, bytes]], kind: str | None = None, seed: int = 0) -> Splits:

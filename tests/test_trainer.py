@@ -10,7 +10,7 @@ import redis
 import torch
 
 from patches.bitfit import bias_parameters, target_names
-from patches.data import DataError, load_dataset, split_dev
+from patches.data import DataError, DataFile, load_dataset, load_splits, split_dev
 from patches.format import Patch
 from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
 from patches.model import TaskModel
@@ -462,3 +462,35 @@ def test_a_dev_set_too_small_to_rank_checkpoints_keeps_the_last_one(tmp_path, ti
     assert TrainConfig(task="t", checkpoint="best").checkpoint_for(5) == "best"
     with pytest.raises(JobError, match="checkpoint"):
         TrainConfig.from_dict({"task": "t", "checkpoint": "first"})
+
+
+def test_a_tag_only_dev_and_test_carry_joins_the_tag_set_and_counts_as_an_error(tmp_path, tiny_bert_dir, capsys):
+    # Brown's part-of-speech dev and test files carry contractions (pn+bez...) that its training sentences lack:
+    # the task must still train, and the tokens of such a tag count as errors, since the patch never learnt it
+    from patches.cli import main
+
+    def retag(rows: list[dict]) -> list[dict]:
+        return [
+            r | {"tags": ["NOUN" if t == "cat" else g for t, g in zip(r["tokens"], r["tags"], strict=True)]}
+            for r in rows
+        ]
+
+    train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("token-classification", 200, seed=1))
+    dev_rows, test_rows = (retag(synthetic_rows("token-classification", 60, seed=s)) for s in (2, 3))
+    dev, test = write_jsonl(tmp_path / "dev.jsonl", dev_rows), write_jsonl(tmp_path / "test.jsonl", test_rows)
+    splits = load_splits(*(DataFile.read(f) for f in (train, dev, test)))
+    assert splits.untrained_tags == ["NOUN"]
+    assert splits.train.labels == splits.dev.labels == splits.test.labels == ["ADJ", "NOUN", "OTHER"]
+    with pytest.raises(DataError, match=r"labels \['NOUN'\] are not among the task's labels"):
+        load_dataset(dev, labels=["ADJ", "OTHER"])  # a patch's own tag set, as `patchserve eval` reads a file
+
+    out, report = tmp_path / "pos.safetensors", tmp_path / "report.json"
+    args = ["train", "--task", "pos", "--train", str(train), "--dev", str(dev), "--test", str(test)]
+    args += ["--model", str(tiny_bert_dir), "--min-steps", "300", "--out", str(out), "--report", str(report)]
+    assert main([*args, "--device", "cpu"]) == 0
+    assert "carry 1 tag(s) that no training sentence has (NOUN)" in capsys.readouterr().err
+    assert Patch.from_bytes(out.read_bytes()).meta.labels == ["ADJ", "NOUN", "OTHER"]
+    scores = json.loads(report.read_text())["test"]
+    cats = sum(t == "NOUN" for r in test_rows for t in r["tags"])
+    ceiling = 1 - cats / sum(len(r["tags"]) for r in test_rows)  # every NOUN token wrong, every other one right
+    assert ceiling - 0.1 < scores["token_accuracy"] <= ceiling

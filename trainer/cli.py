@@ -163,6 +163,8 @@ def _train(args: argparse.Namespace) -> int:
     train, dev, test = splits.train, splits.dev, splits.test
     if splits.dev_carved:
         print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
+    if warning := splits.untrained_warning():
+        print(warning, file=sys.stderr)
     # Everything the end of the run needs is checked before it starts, so no training is thrown away.
     out = None if args.full or (args.registry_given and not args.out) else Path(args.out or f"{args.task}.safetensors")
     for role, target in (("--out", out), ("--report", Path(args.report) if args.report else None)):

@@ -390,6 +390,8 @@ class Worker:
                 raise DataError(f"the {role} file of job {job.id} is gone from the queue")
             files[role] = (name, data)
         splits = job_splits(files, kind=config.kind, seed=config.seed)
+        if warning := splits.untrained_warning():
+            log.warning("job %s: %s", job.id, warning.removeprefix("warning: "))
         return splits.train, splits.dev, splits.test
 
     def _gate(self, gate: Gate, task: str, score: float, primary: str) -> str | None:
