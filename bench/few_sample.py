@@ -4,6 +4,10 @@ run (Zhang et al., ICLR 2021: train small data long enough). Scored on the set's
 
     python bench/few_sample.py                                    # rotten_tomatoes and trec, 256 rows, 5 seeds
     python bench/few_sample.py --sets trec --sizes 64 256 --seeds 0 1 --set eval_every=3   # try a setting
+    python bench/few_sample.py --modes logreg setfit              # what users would run instead, on the same draws
+
+The baselines (bench/baselines.py): `logreg`, the frozen encoder's floor, and `setfit`, SetFit from PyPI with its
+default settings and the default encoder as its body (`pip install -e ".[baselines]"`; scripts/test installs it).
 
 Seed s draws its rows from the set's train.jsonl (seeded sample) and trains with seed s. Each finished run is
 appended to docs/few-sample-runs.jsonl with its settings (an interrupted benchmark resumes where it stopped);
@@ -24,20 +28,25 @@ import statistics
 import time
 from dataclasses import replace
 
+import torch
+
+from bench.baselines import BASELINES, BaselineResult, logreg, setfit
 from bench.quality import (
     MODES,
     SETS,
     add_run_arguments,
     already_run,
     device_of,
+    device_type,
     differences,
+    load_runs,
     parse_overrides,
     record_run,
     run_rows,
     settings,
 )
 from patches.data import Dataset, load_dataset, split_dev
-from patches.encoder import load_encoder, resolve_device
+from patches.encoder import Encoder, default_encoder_path, load_encoder, resolve_device
 from patches.jobs import TrainConfig
 from trainer.train import train_patch
 
@@ -58,10 +67,25 @@ def sample(train: Dataset, size: int, seed: int) -> Dataset:
     return replace(train, examples=rows, source=f"{train.source} ({size} rows, seed {seed})")
 
 
+def run_baseline(
+    mode: str, encoder: Encoder, draw: Dataset, test: Dataset, seed: int, device: torch.device
+) -> BaselineResult:
+    """A baseline on the rows seed ``seed`` drew: the floor fits on the train part and picks C on the dev part the
+    trainer would carve from them; SetFit trains on all of them."""
+    if mode == "setfit":
+        return setfit(str(default_encoder_path()), draw, test, seed, device)
+    train, dev = split_dev(draw, seed=seed)
+    return logreg(encoder, train, dev, test, device)
+
+
 def _mean_std(values: list[float]) -> str:
     if not values:
         return "-"
     return f"{statistics.mean(values):.1f}" + (f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else "")
+
+
+def _mean(values: list[float], fmt: str) -> str:
+    return fmt.format(statistics.mean(values)) if values else "-"
 
 
 def write_table(runs: list[dict], path: Path, command: str) -> None:
@@ -91,14 +115,14 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
         several = [r["restarts"] for r in grp if len(r.get("restarts", [])) > 1]
         first = _mean_std([100 * seeds[0]["test"] for seeds in several])
         seeds_mean = _mean_std([100 * statistics.mean(s["test"] for s in seeds) for seeds in several])
-        dev = statistics.mean(100 * r["dev"] for r in grp)
-        steps = statistics.mean(r["steps"] for r in grp)
-        planned = statistics.mean(r["planned_steps"] for r in grp)
-        best = statistics.mean(r["best_step"] for r in grp)
+        dev = _mean([100 * r["dev"] for r in grp if r.get("dev") is not None], "{:.1f}")
+        steps = _mean([r["steps"] for r in grp if "steps" in r], "{:.0f}")
+        planned = _mean([r["planned_steps"] for r in grp if "planned_steps" in r], "{:.0f}")
+        best = _mean([r["best_step"] for r in grp if "best_step" in r], "{:.0f}")
         minutes = statistics.mean(r["seconds"] / 60 for r in grp)
         lines.append(
-            f"| {ds} | {rows} | {mode} | {diff} | {test} | {dev:.1f} | {first} | "
-            f"{seeds_mean} | {steps:.0f} / {planned:.0f} | {best:.0f} | {len(grp)} | {minutes:.1f} | {device} |"
+            f"| {ds} | {rows} | {mode} | {diff} | {test} | {dev} | {first} | "
+            f"{seeds_mean} | {steps} / {planned} | {best} | {len(grp)} | {minutes:.1f} | {device} |"
         )
     notes = sorted({f"{differences(r)}: {r['note']}" for r in runs if r.get("note")})
     lines += ["", *(f"- {n}" for n in notes)] if notes else []
@@ -111,7 +135,13 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=["rotten_tomatoes", "trec"], choices=SETS)
     ap.add_argument("--sizes", nargs="+", type=int, default=[256], help="rows sampled from train (dev included)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    ap.add_argument("--modes", nargs="+", default=["bitfit"], choices=list(MODES))
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["bitfit"],
+        choices=[*MODES, *BASELINES],
+        help="trainer modes, or baselines on the same draws: " + "; ".join(f"{k}: {v}" for k, v in BASELINES.items()),
+    )
     add_run_arguments(ap, "few-sample", "eval_every=3")
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
@@ -127,6 +157,20 @@ def main() -> None:
         for size in args.sizes:
             for mode in args.modes:
                 for seed in args.seeds:
+                    if mode in BASELINES:
+                        key = (ds, size, mode, seed, device.type)
+                        if any(
+                            (r["set"], r.get("rows"), r["mode"], r["seed"], device_type(r)) == key
+                            for r in load_runs(runs_file)
+                        ):
+                            continue
+                        t0 = time.perf_counter()
+                        result = run_baseline(mode, encoder, sample(full, size, seed), test, seed, device)
+                        rec = {"set": ds, "rows": size, "mode": mode, "seed": seed, "metric": "accuracy"}
+                        rec |= {"test": result.test, "dev": result.dev, "settings": result.settings}
+                        rec["seconds"] = time.perf_counter() - t0
+                        record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+                        continue
                     config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                     wanted = settings(config)
                     if already_run(

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.baselines import BASELINES, logreg
 from patches.data import DataFile, load_splits
 from patches.encoder import load_encoder, resolve_device
 from patches.jobs import TrainConfig
@@ -45,6 +46,14 @@ TIE_NOTE = (
     "Checkpoint ties: since 2026-11-23 a dev score equal to the best so far keeps the later checkpoint (it was the "
     "earlier one). Runs recorded before that date were selected the old way; on these dev sets (500-3,000 rows, "
     "scores in steps of 0.03-0.2 points) what that changes has not been measured yet."
+)
+
+
+FLOOR_NOTE = (
+    "floor: what the encoder gives with nothing of it trained (bench/baselines.py, `--modes logreg`, one run: it is "
+    "deterministic): logistic regression on its mean-pooled unit vectors, C chosen on dev; for STS-B the cosine of "
+    "the two sentences' vectors. A machine named in brackets is where the floor was measured, when not this table's. "
+    "Tagging has no floor yet."
 )
 
 
@@ -94,13 +103,19 @@ def run_rows(run: dict) -> tuple[float, float]:
 
 
 def is_current(run: dict) -> bool:
-    """A run counts towards the table only if it was trained with today's defaults for its mode."""
+    """A run counts towards the table only if it was trained with today's defaults for its mode (a baseline's run
+    always counts: it has no settings of ours)."""
+    if run["mode"] in BASELINES:
+        return True
     rows = run_rows(run)
     return "settings" in run and as_trained(run["settings"], *rows) == as_trained(default_settings(run["mode"]), *rows)
 
 
 def differences(run: dict) -> str:
-    """How a run's settings differ from today's defaults for its mode ("lr=0.001, epochs=10")."""
+    """How a run's settings differ from today's defaults for its mode ("lr=0.001, epochs=10"); for a baseline, what
+    it is."""
+    if run["mode"] in BASELINES:
+        return BASELINES[run["mode"]]
     if "settings" not in run:
         return "unrecorded"
     rows = run_rows(run)
@@ -194,12 +209,23 @@ def device_of(run: dict) -> str:
     return f"{kind}: {run['device_name']}" if run.get("device_name") else kind
 
 
-def _set_rows(runs: list[dict]) -> list[str]:
+def floor_cells(runs: list[dict], device: str) -> dict[str, str]:
+    """The frozen-encoder floor of each set (bench/baselines.py), from this machine's run, else from another
+    machine's (named): the floor trains nothing on the device, so its score does not depend on it."""
+    cells: dict[str, str] = {}
+    for r in sorted((r for r in runs if r["mode"] == "logreg"), key=lambda r: device_of(r) != device):
+        where = "" if device_of(r) == device else f" ({device_type(r)})"
+        cells.setdefault(r["set"], f"{100 * r['test']:.1f}{where}")
+    return cells
+
+
+def _set_rows(runs: list[dict], floors: dict[str, str]) -> list[str]:
     rows = []
     for ds in SETS:
-        mine = [r for r in runs if r["set"] == ds]
+        floor = floors.get(ds, "-")
+        mine = [r for r in runs if r["set"] == ds and r["mode"] in MODES]
         if not mine:  # a gap stays visible
-            rows.append(f"| {ds} | - | - | - | - | - | - | 0 | - |")
+            rows.append(f"| {ds} | - | - | - | - | {floor} | - | - | 0 | - |")
             continue
         cell: dict[str, str] = {}
         mean: dict[str, float | None] = {}
@@ -210,7 +236,7 @@ def _set_rows(runs: list[dict]) -> list[str]:
             cell[mode] = f"{mean[mode]:.1f} ± {std:.1f} (n={len(vals)})" if vals else "-"
         mins = {m: _minutes([r for r in mine if r["mode"] == m]) for m in MODES}
         rows.append(
-            f"| {ds} | {mine[0]['metric']} | {cell['bitfit']} | {cell['bitfit-qi']} | {cell['full']} | "
+            f"| {ds} | {mine[0]['metric']} | {cell['bitfit']} | {cell['bitfit-qi']} | {cell['full']} | {floor} | "
             f"{_diff(mean, 'bitfit', 'full')} | {_diff(mean, 'bitfit-qi', 'full')} | {len(mine)} | "
             f"{mins['bitfit']} / {mins['full']} |"
         )
@@ -239,16 +265,25 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
     for device in sorted({device_of(r) for r in runs}, key=lambda d: (d.startswith("cpu"), d)):
         mine = [r for r in runs if device_of(r) == device]
         notes = sorted({r["note"] for r in mine if r.get("note")})
-        lines += ["", f"## {device}", "", f"Runs at today's defaults: {len(mine)} of {total} (3 seeds per cell)."]
+        trained = sum(r["mode"] in MODES for r in mine)
+        lines += ["", f"## {device}", "", f"Runs at today's defaults: {trained} of {total} (3 seeds per cell)."]
         lines += [f"{n}." for n in notes]
         lines += [
             "",
-            "| data set | metric | BitFit (all) | BitFit (q+m2) | full FT | BitFit - full | q+m2 - full | runs | "
-            "min/run (bitfit / full) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-            *_set_rows(mine),
+            "| data set | metric | BitFit (all) | BitFit (q+m2) | full FT | floor | BitFit - full | q+m2 - full | "
+            "runs | min/run (bitfit / full) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *_set_rows(mine, floor_cells(runs, device)),
         ]
-    lines += ["", "Target: BitFit ≥ full - 1.0 point; query+intermediate ≥ full - 3 points.", "", TIE_NOTE, ""]
+    lines += [
+        "",
+        "Target: BitFit ≥ full - 1.0 point; query+intermediate ≥ full - 3 points.",
+        "",
+        FLOOR_NOTE,
+        "",
+        TIE_NOTE,
+        "",
+    ]
     old = [r for r in all_runs if not is_current(r)]
     if old:
         lines += [
@@ -276,7 +311,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=[*MODES, "logreg"],
+        choices=[*MODES, "logreg"],
+        help=f"trainer modes, and logreg: the floor ({BASELINES['logreg']}; one run per set)",
+    )
     add_run_arguments(ap, "quality", "dropout=0")
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
@@ -291,6 +332,24 @@ def main() -> None:
         train, dev, test = (DataFile.read(data / ds / f"{split}.jsonl") for split in ("train", "dev", "test"))
         splits = load_splits(train, dev, test)  # as `patchserve train --train … --dev … --test …` reads them
         for mode in args.modes:
+            if mode == "logreg":
+                if splits.train.kind == "token-classification":
+                    print(f"{ds}: no floor for tagging yet", flush=True)
+                elif not any(r["set"] == ds and r["mode"] == mode for r in load_runs(runs_file)):
+                    t0 = time.perf_counter()
+                    floor = logreg(encoder, splits.train, splits.dev, splits.test, device)
+                    rec = {
+                        "set": ds,
+                        "mode": mode,
+                        "seed": 0,
+                        "metric": "spearman" if splits.train.kind == "regression" else "accuracy",
+                        "test": floor.test,
+                        "dev": floor.dev,
+                    }
+                    rec |= {"train_rows": len(splits.train), "dev_rows": len(splits.dev), "settings": floor.settings}
+                    rec["seconds"] = time.perf_counter() - t0
+                    record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+                continue
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                 wanted = settings(config)

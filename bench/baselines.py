@@ -1,0 +1,114 @@
+"""What a user could run instead of a patch, measured by the quality benchmarks on the same rows as BitFit:
+
+- ``logreg``: the floor. The frozen default encoder's mean-pooled unit vectors and scikit-learn's logistic
+  regression, C chosen on the dev split (for few-sample runs the dev carved from the draw, as the trainer carves it).
+  A regression pair set (STS-B) has no classifier to fit: its floor is the cosine of the two texts' vectors, no
+  training at all, which is what the sentence encoder was trained to give.
+- ``setfit``: SetFit (contrastive tuning of the whole sentence-transformers body, then a logistic-regression head),
+  from PyPI, with its default settings and the default encoder as its body. It has no use for a dev split, so it
+  trains on every row of the draw. Needs the ``baselines`` extra (``pip install -e .[baselines]``).
+
+Neither is a patch: SetFit tunes every weight of the body, so each task would need a body of its own.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.linear_model import LogisticRegression
+
+from patches.data import Dataset
+from patches.encoder import Encoder
+from patches.model import mean_pool
+from trainer.metrics import spearman
+
+# What each baseline is, as the tables show it in place of "settings that differ from today's defaults".
+BASELINES = {
+    "logreg": "frozen encoder, mean-pooled unit vectors, logistic regression with C chosen on dev",
+    "setfit": "SetFit's defaults, trained on every row (dev included)",
+}
+C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
+MAX_LENGTH = 128  # the trainer's default max_seq_length
+
+
+@dataclass
+class BaselineResult:
+    test: float
+    dev: float | None
+    # what was chosen or used (C, library versions): recorded with the run
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def embed(encoder: Encoder, texts: list[str], device: torch.device, batch_size: int = 64) -> np.ndarray:
+    """The frozen encoder's mean-pooled, L2-normalised vectors of ``texts`` ([N, hidden] float32)."""
+    model = encoder.model.to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for i in range(0, len(texts), batch_size):
+            enc = encoder.tokenizer(
+                texts[i : i + batch_size], padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
+            ).to(device)
+            hidden = model(**enc).last_hidden_state
+            out.append(F.normalize(mean_pool(hidden, enc["attention_mask"]), dim=-1).float().cpu())
+    return torch.cat(out).numpy()
+
+
+def _texts(ds: Dataset) -> list[str]:
+    if ds.is_pair:
+        raise SystemExit(f"{ds.source}: the baselines take single-sentence classification only")
+    return [e.text for e in ds.examples]
+
+
+def _labels(ds: Dataset) -> list[str]:
+    return [str(e.label) for e in ds.examples]
+
+
+def _accuracy(predicted: Any, ds: Dataset) -> float:
+    return float(np.mean([str(p) == gold for p, gold in zip(predicted, _labels(ds), strict=True)]))
+
+
+def logreg(encoder: Encoder, train: Dataset, dev: Dataset, test: Dataset, device: torch.device) -> BaselineResult:
+    """The frozen-encoder floor: logistic regression on mean-pooled unit vectors, C chosen on ``dev`` (the smallest
+    C of the best dev accuracy), fit on ``train`` only; for a regression pair set, the vectors' cosine."""
+    if train.kind == "regression" and train.is_pair:
+        return BaselineResult(test=_cosine_spearman(encoder, test, device), dev=_cosine_spearman(encoder, dev, device))
+    if train.kind != "classification":
+        raise SystemExit(f"{train.source}: the logistic-regression floor takes classification or sentence pairs")
+    x_train, x_dev, x_test = (embed(encoder, _texts(ds), device) for ds in (train, dev, test))
+    fits = [LogisticRegression(C=c, max_iter=5000).fit(x_train, _labels(train)) for c in C_GRID]
+    dev_scores = [_accuracy(fit.predict(x_dev), dev) for fit in fits]
+    best = dev_scores.index(max(dev_scores))
+    return BaselineResult(
+        test=_accuracy(fits[best].predict(x_test), test),
+        dev=dev_scores[best],
+        settings={"C": C_GRID[best], "scikit-learn": version("scikit-learn")},
+    )
+
+
+def _cosine_spearman(encoder: Encoder, ds: Dataset, device: torch.device) -> float:
+    a = embed(encoder, [e.text for e in ds.examples], device)
+    b = embed(encoder, [e.text_pair or "" for e in ds.examples], device)
+    return spearman((a * b).sum(1), np.array([float(e.label or 0.0) for e in ds.examples]))
+
+
+def setfit(model_path: str, train: Dataset, test: Dataset, seed: int, device: torch.device) -> BaselineResult:
+    """SetFit with its default settings on every row of ``train``, the body loaded from ``model_path``."""
+    from datasets import Dataset as HFDataset  # the baselines extra: imported only where SetFit runs
+    from setfit import SetFitModel, Trainer, TrainingArguments
+
+    model = SetFitModel.from_pretrained(model_path, device=str(device))
+    rows = HFDataset.from_dict({"text": _texts(train), "label": _labels(train)})
+    with tempfile.TemporaryDirectory() as out:  # its checkpoints, kept nowhere
+        Trainer(model=model, args=TrainingArguments(output_dir=out, seed=seed), train_dataset=rows).train()
+    predicted = model.predict(_texts(test), batch_size=64, show_progress_bar=False)
+    return BaselineResult(
+        test=_accuracy(predicted, test),
+        dev=None,
+        settings={"setfit": version("setfit"), "sentence-transformers": version("sentence-transformers")},
+    )
