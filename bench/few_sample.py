@@ -88,6 +88,30 @@ def _mean(values: list[float], fmt: str) -> str:
     return fmt.format(statistics.mean(values)) if values else "-"
 
 
+def _best_restart(run: dict) -> dict:
+    """The restart a run's best dev score would have kept (a tie: the first, as the trainer breaks it)."""
+    return max(run["restarts"], key=lambda r: r["dev"])
+
+
+def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -> list[str]:
+    """For runs that averaged their restarts (``restarts_merge=average``), the average against the restart the
+    same runs' carved dev would have kept instead: paired, so the rows drawn cancel out."""
+    lines = []
+    for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
+        paired = [r for r in grp if "merged" in r and "heldout" in r]
+        if not paired:
+            continue
+        shown = []
+        for name, key in (("test", "test"), ("set's dev", "heldout")):
+            gains = [100 * (r[key] - _best_restart(r)[key]) for r in paired]
+            shown.append(f"{name} {statistics.mean(gains):+.1f} (per draw: {', '.join(f'{g:+.1f}' for g in gains)})")
+        lines.append(
+            f"- {ds}, {rows} rows, {mode} ({diff}, {device}): the average against the best restart by dev, "
+            f"same runs: {'; '.join(shown)}"
+        )
+    return ["", *lines] if lines else []
+
+
 def write_table(runs: list[dict], path: Path, command: str) -> None:
     lines = [
         "# Trainer on small data: a few hundred rows, dev carved from them",
@@ -98,14 +122,16 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
         "how many updates ran before early stopping (of `planned`), `best` the update whose checkpoint was kept. "
         "Where a run trained several seeds: `first seed alone` is the test score the run's first seed would have "
         "given alone, and `seeds' mean` the mean of its seeds' test scores (not a model: the spread left when "
-        "the seed choice is averaged away, i.e. what the 256 rows drawn contribute).",
+        "the seed choice is averaged away, i.e. what the 256 rows drawn contribute). `set's dev` scores the kept "
+        "patch on the set's own dev split, which no run trains or chooses on: the selection set for comparing "
+        "settings, where the carved dev (26 rows at 256) is too small to rank them.",
         "",
         f"Reproduce with `python bench/few_sample.py` (resumable; `--set KEY=VALUE` for a candidate). Last "
         f"command: `{command}`.",
         "",
-        "| data set | rows | mode | settings that differ from today's defaults | test | dev | first seed alone | "
-        "seeds' mean | steps / planned | best | runs | min/run | device |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| data set | rows | mode | settings that differ from today's defaults | test | set's dev | dev | "
+        "first seed alone | seeds' mean | steps / planned | best | runs | min/run | device |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     groups: dict[tuple[str, int, str, str, str], list[dict]] = {}
     for r in runs:
@@ -116,16 +142,18 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
         first = _mean_std([100 * seeds[0]["test"] for seeds in several])
         seeds_mean = _mean_std([100 * statistics.mean(s["test"] for s in seeds) for seeds in several])
         dev = _mean([100 * r["dev"] for r in grp if r.get("dev") is not None], "{:.1f}")
+        heldout = _mean_std([100 * r["heldout"] for r in grp if "heldout" in r])
         steps = _mean([r["steps"] for r in grp if "steps" in r], "{:.0f}")
         planned = _mean([r["planned_steps"] for r in grp if "planned_steps" in r], "{:.0f}")
         best = _mean([r["best_step"] for r in grp if "best_step" in r], "{:.0f}")
         minutes = statistics.mean(r["seconds"] / 60 for r in grp)
         lines.append(
-            f"| {ds} | {rows} | {mode} | {diff} | {test} | {dev} | {first} | "
+            f"| {ds} | {rows} | {mode} | {diff} | {test} | {heldout} | {dev} | {first} | "
             f"{seeds_mean} | {steps} / {planned} | {best} | {len(grp)} | {minutes:.1f} | {device} |"
         )
     notes = sorted({f"{differences(r)}: {r['note']}" for r in runs if r.get("note")})
     lines += ["", *(f"- {n}" for n in notes)] if notes else []
+    lines += _averaging_lines(groups)
     lines += ["", RESTART_NOTE]
     path.write_text("\n".join(lines) + "\n")
 
@@ -154,6 +182,7 @@ def main() -> None:
     for ds in args.sets:
         full = load_dataset(Path(args.data) / ds / "train.jsonl")
         test = load_dataset(Path(args.data) / ds / "test.jsonl", kind=full.kind, labels=full.labels or None)
+        set_dev = load_dataset(Path(args.data) / ds / "dev.jsonl", kind=full.kind, labels=full.labels or None)
         for size in args.sizes:
             for mode in args.modes:
                 for seed in args.seeds:
@@ -179,7 +208,7 @@ def main() -> None:
                         continue
                     train, dev = split_dev(sample(full, size, seed), seed=seed)
                     t0 = time.perf_counter()
-                    report = train_patch(encoder, train, dev, config, test=test).report
+                    report = train_patch(encoder, train, dev, config, test=test, heldout=set_dev).report
                     metric = report["metric"]
                     rec = {
                         "set": ds,
@@ -189,17 +218,28 @@ def main() -> None:
                         "metric": metric,
                         "test": report["test"][metric],
                         "dev": report["dev"][metric],
+                        "heldout": report["heldout"][metric],  # the set's own dev split
                         "steps": report["steps"],
                         "planned_steps": report["planned_steps"],
                         "best_step": report["best_step"],
                         # each restart's dev and test (the chosen one is the best dev): what the restarts bought
                         "restarts": [
-                            {"seed": r["seed"], "dev": r["best_dev"][metric], "test": r["test"][metric]}
+                            {
+                                "seed": r["seed"],
+                                "dev": r["best_dev"][metric],
+                                "test": r["test"][metric],
+                                "heldout": r["heldout"][metric],
+                            }
                             for r in report["runs"]
                         ],
                         "settings": wanted,
                         "seconds": time.perf_counter() - t0,
                     }
+                    if "merged" in report:  # restarts_merge=average: each learning rate's average
+                        rec["merged"] = [
+                            {"seeds": m["seeds"]} | {k: m[k][metric] for k in ("dev", "test", "heldout")}
+                            for m in report["merged"]
+                        ]
                     record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
 
 

@@ -77,7 +77,8 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
     """Settings as they acted on a run with these row counts: an unset ``restarts`` is what it resolves to there
     (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
     unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
-    no ``checkpoint`` kept the best, no ``metric`` used the kind's default."""
+    no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
+    restart."""
     out = dict(run_settings)
     if out.get("restarts") is None:
         out["restarts"] = RESOLVER.restarts_for(train_rows)  # type: ignore[arg-type]
@@ -87,6 +88,7 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
         out["checkpoint"] = RESOLVER.checkpoint_for(dev_rows)  # type: ignore[arg-type]
     if out.get("metric") is None:
         out.pop("metric", None)
+    out.setdefault("restarts_merge", "best")
     return out
 
 

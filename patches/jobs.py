@@ -130,6 +130,9 @@ class TrainConfig:
     metric: str | None = None
     # which checkpoint of a run is kept: "best" (dev score) or "last"; None: last when dev has < SMALL_DEV_ROWS rows
     checkpoint: Literal["best", "last"] | None = None
+    # what the restarts make: "best", the run with the best dev score; "average", one patch whose biases and head
+    # are the mean of the restarts' (which then share their head's initialisation: a "model soup" of the seeds)
+    restarts_merge: Literal["best", "average"] = "best"
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:

@@ -94,7 +94,7 @@ def test_baseline_runs_count_as_current_and_show_what_they_are_in_the_few_sample
     text = (tmp_path / "t.md").read_text()
     assert "| trec | 256 | setfit | SetFit's defaults, trained on every row (dev included) | 85.0 ± 7.1 | - |" in text
     assert "| - / - | - | 2 | 10.0 | cpu |" in text
-    assert "C chosen on dev | 70.0 | 60.0 | - | - | - / - | - | 1 | 0.1 | cpu |" in text
+    assert "C chosen on dev | 70.0 | - | 60.0 | - | - | - / - | - | 1 | 0.1 | cpu |" in text
 
 
 def test_the_quality_table_shows_the_floor_of_each_set_beside_the_trained_modes(tmp_path):

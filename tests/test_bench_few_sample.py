@@ -31,10 +31,10 @@ def test_table_groups_runs_by_settings_and_lists_notes(tmp_path):
     runs = [
         run
         | {"seed": 0, "test": 0.9, "dev": 0.95, "steps": 600, "best_step": 200, "seconds": 60, "settings": today}
-        | {"restarts": seeds[0]},
+        | {"restarts": seeds[0], "heldout": 0.85},
         run
         | {"seed": 1, "test": 0.92, "dev": 0.97, "steps": 600, "best_step": 300, "seconds": 60, "settings": today}
-        | {"restarts": seeds[1]},
+        | {"restarts": seeds[1], "heldout": 0.87},
         run
         | {"seed": 0, "test": 0.8, "dev": 0.9, "steps": 150, "best_step": 30, "seconds": 30, "note": "old schedule"}
         | {"settings": today | {"eval_every": 3}},
@@ -42,17 +42,44 @@ def test_table_groups_runs_by_settings_and_lists_notes(tmp_path):
     write_table(runs, tmp_path / "t.md", "cmd")
     text = (tmp_path / "t.md").read_text()
     # first seed alone: 90 and 92; seeds' mean per run: 85 and 94
-    row = "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 96.0 | 91.0 ± 1.4 | 89.5 ± 6.4 | 600 / 600 | 250 |"
-    assert row + " 2 | 1.0 | cpu |" in text
-    assert "| trec | 256 | bitfit | eval_every=3 | 80.0 | 90.0 | - | - | 150 / 600 | 30 | 1 | 0.5 | cpu |" in text
+    row = "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 86.0 ± 1.4 | 96.0 | 91.0 ± 1.4 | 89.5 ± 6.4 |"
+    assert row + " 600 / 600 | 250 | 2 | 1.0 | cpu |" in text
+    assert "| trec | 256 | bitfit | eval_every=3 | 80.0 | - | 90.0 | - | - | 150 / 600 | 30 | 1 | 0.5 | cpu |" in text
     assert "- eval_every=3: old schedule" in text
+    assert "the average against" not in text  # no run averaged its restarts
+
+
+def test_averaged_runs_are_compared_with_the_restart_their_dev_would_have_kept(tmp_path):
+    averaged = default_settings("bitfit") | {"restarts_merge": "average"}
+    run = {"set": "rotten_tomatoes", "rows": 256, "mode": "bitfit", "metric": "accuracy", "device": "cpu"}
+    run |= {"seconds": 60, "settings": averaged, "steps": 600, "planned_steps": 600, "best_step": 600}
+    restarts = [  # the best dev is the second restart's (a tie with the third goes to the earlier)
+        {"seed": 0, "dev": 0.7, "test": 0.70, "heldout": 0.71},
+        {"seed": 1, "dev": 0.8, "test": 0.72, "heldout": 0.73},
+        {"seed": 2, "dev": 0.8, "test": 0.76, "heldout": 0.77},
+    ]
+    runs = [
+        run
+        | {"seed": 0, "test": 0.75, "heldout": 0.74, "dev": 0.8, "restarts": restarts}
+        | {"merged": [{"seeds": [0, 1, 2], "dev": 0.8, "test": 0.75, "heldout": 0.74}]},
+        run
+        | {"seed": 1, "test": 0.70, "heldout": 0.75, "dev": 0.8, "restarts": restarts}
+        | {"merged": [{"seeds": [1, 2, 3], "dev": 0.8, "test": 0.70, "heldout": 0.75}]},
+    ]
+    write_table(runs, tmp_path / "t.md", "cmd")
+    text = (tmp_path / "t.md").read_text()
+    assert "| rotten_tomatoes | 256 | bitfit | restarts_merge=average | 72.5 ± 3.5 | 74.5 ± 0.7 |" in text
+    assert (
+        "- rotten_tomatoes, 256 rows, bitfit (restarts_merge=average, cpu): the average against the best restart by "
+        "dev, same runs: test +0.5 (per draw: +3.0, -2.0); set's dev +1.5 (per draw: +1.0, +2.0)"
+    ) in text
 
 
 def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
-    # a quality-table run (a large set) recorded with restarts=1 and no checkpoint or metric ran as today's defaults
-    # do there; a 256-row run recorded the same way did not (today: 3 seeds and the last checkpoint)
+    # a quality-table run (a large set) recorded with restarts=1 and no checkpoint, metric or restarts_merge ran as
+    # today's defaults do there; a 256-row run recorded the same way did not (today: 3 seeds and the last checkpoint)
     old = default_settings("bitfit") | {"restarts": 1}
-    del old["checkpoint"], old["metric"]
+    del old["checkpoint"], old["metric"], old["restarts_merge"]
     assert is_current({"mode": "bitfit", "settings": old})
     assert differences({"mode": "bitfit", "rows": 256, "settings": old}) == "restarts=1, checkpoint=best"
     assert is_current({"mode": "bitfit", "rows": 256, "settings": default_settings("bitfit")})

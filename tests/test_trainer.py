@@ -17,7 +17,7 @@ from patches.model import TaskModel
 from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
 from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
 from trainer.metrics import classification_metrics, tagging_metrics
-from trainer.train import evaluate, featurize, train_patch
+from trainer.train import JointTrainer, PatchTraining, evaluate, featurize, train_patch
 
 
 def _data(tmp_path, kind, n_train=240, n_dev=60):
@@ -120,6 +120,38 @@ def test_restarts_and_lr_search_keep_the_best_dev_score(tmp_path, tiny_encoder):
     runs = result.report["runs"]
     assert [(r["lr"], r["seed"]) for r in runs] == [(1e-4, 0), (1e-4, 1), (3e-3, 0), (3e-3, 1)]
     assert result.report["dev"]["accuracy"] == max(r["best_dev"]["accuracy"] for r in runs)
+
+
+def test_averaged_restarts_make_one_patch_the_mean_of_the_restarts(tmp_path, tiny_encoder):
+    """restarts_merge="average": a learning rate's restarts start from one head, train on their own orders, and are
+    averaged (biases and head) into one patch, scored on dev; the learning rate is chosen on those averages."""
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    config = _config(min_steps=15, lr_search=[1e-4, 3e-3], restarts=2, restarts_merge="average", checkpoint="last")
+    training = PatchTraining(tiny_encoder, train, dev, config, test=dev, heldout=dev)
+    trainer = JointTrainer([training])
+    while len(trainer):
+        assert all(error is None for _, error in trainer.step())
+    trained = [[p.detach().clone() for p in run["params"]] for run in training._runs]  # each run's own parameters
+    result = training.finish()
+    report, patch = result.report, result.patch
+    assert [(m["lr"], m["seeds"]) for m in report["merged"]] == [(1e-4, [0, 1]), (3e-3, [0, 1])]
+    assert report["dev"] == max((m["dev"] for m in report["merged"]), key=lambda d: d["accuracy"])
+    chosen = next(m for m in report["merged"] if m["lr"] == report["lr"])
+    assert report["test"] == chosen["test"] == report["heldout"]  # test and heldout were both the dev rows here
+    assert len(report["runs"]) == 4 and all("test" in r and "heldout" in r for r in report["runs"])
+    first = 0 if report["lr"] == 1e-4 else 2
+    a, b = trained[first], trained[first + 1]
+    assert not torch.equal(a[-2], b[-2])  # the two restarts trained apart ...
+    mean = [(x + y) / 2 for x, y in zip(a, b, strict=True)]
+    torch.testing.assert_close(patch.head_weight, mean[-2], rtol=0, atol=1e-6)  # ... and the patch is their mean
+    torch.testing.assert_close(patch.head_bias, mean[-1], rtol=0, atol=1e-6)
+    names = target_names(tiny_encoder.model, "all")
+    for name, value in zip(names, mean[: len(names)], strict=True):
+        torch.testing.assert_close(patch.biases[name], value, rtol=0, atol=1e-6, msg=name)
+    assert patch.meta.training["restarts_merge"] == "average"
+    # the average's dev score is its own: re-scoring the kept model on dev gives it again
+    dev_f = featurize(tiny_encoder.tokenizer, dev, train.labels, 128)
+    assert evaluate(result.model, dev_f, 0, train.labels)["accuracy"] == pytest.approx(report["dev"]["accuracy"])
 
 
 def test_full_fine_tuning_reports_without_a_patch(tmp_path, tiny_encoder):
@@ -290,11 +322,14 @@ def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
             reg,
             "--device",
             "cpu",
+            "--restarts-merge",
+            "average",
         ]
     )
     summary = json.loads(capsys.readouterr().out)
     assert rc == 0 and summary["registered"]["version"] == 1
     assert summary["selection"]["restarts"] == 3 and summary["metric"] == "accuracy"  # 108 rows: automatic restarts
+    assert summary["selection"]["restarts_merge"] == "average"  # the 3 restarts averaged into the registered patch
 
 
 def test_progress_is_reported_between_evaluations(tmp_path, tiny_encoder):

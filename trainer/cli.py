@@ -58,6 +58,13 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "from seed to seed, else 1)",
     )
     p.add_argument(
+        "--restarts-merge",
+        choices=["best", "average"],
+        default="best",
+        help="what the restarts make: 'best' keeps the run with the best dev score (default); 'average' starts "
+        "every restart's head alike and averages the restarts' biases and heads into one patch",
+    )
+    p.add_argument(
         "--checkpoint",
         choices=["best", "last"],
         help="which checkpoint of a run to keep: its best dev score, or its last (default: last when the dev set "
@@ -112,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "lr_search": args.lr_search or [],
         "seed": args.seed,
         "restarts": args.restarts,
+        "restarts_merge": args.restarts_merge,
         "batch_size": args.batch_size,
         "max_seq_length": args.max_seq_length,
         "pooling": args.pooling,

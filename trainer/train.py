@@ -332,8 +332,8 @@ class _RunGroup:
         device = resolve_device(config.device)
         n_out = 1 if kind == "regression" else len(job.labels)
         heads = []
-        for _, seed in specs:  # each run's head starts where a run of its own would start it
-            torch.manual_seed(seed)
+        for _, seed in specs:  # each run's head starts where a run of its own would start it; restarts that are
+            torch.manual_seed(config.seed if config.restarts_merge == "average" else seed)  # averaged start alike
             heads.append(nn.Linear(encoder.hidden_size, n_out))
         self.model: TaskModel | PackedTaskModel
         groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
@@ -505,6 +505,7 @@ class _RunGroup:
                     "seconds": r.seconds,
                     "history": r.history,
                     "trainable_params": sum(p.numel() for p in r.params),
+                    "params": r.params,  # the kept checkpoint's trained parameters (for averaging)
                 }
             )
         self.model.eval()
@@ -540,6 +541,7 @@ class PatchTraining:
         config: TrainConfig,
         *,
         test: Dataset | None = None,
+        heldout: Dataset | None = None,
         on_progress: ProgressFn | None = None,
         progress_every_s: float = 2.0,
         should_stop: StopFn = _never,
@@ -548,13 +550,14 @@ class PatchTraining:
     ) -> None:
         self.t0 = time.perf_counter()
         kind, labels = train.kind, train.labels
-        if dev.kind != kind or (test is not None and test.kind != kind):
-            raise ValueError(f"train is {kind} but dev/test are {dev.kind}/{test.kind if test else '-'}; use one kind")
+        if any(ds is not None and ds.kind != kind for ds in (dev, test, heldout)):
+            kinds = "/".join(ds.kind if ds else "-" for ds in (dev, test, heldout))
+            raise ValueError(f"train is {kind} but dev/test/heldout are {kinds}; use one kind")
         pooling = config.pooling or encoder.default_pooling
         if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
             raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
         self.encoder, self.kind, self.labels, self.pooling = encoder, kind, labels, pooling
-        self.train, self.dev, self.test = train, dev, test
+        self.train, self.dev, self.test, self.heldout = train, dev, test, heldout
         self.metric = config.selection_metric(kind, labels)
         self.max_len = min(config.max_seq_length, encoder.max_positions)
         tok = encoder.tokenizer
@@ -617,17 +620,34 @@ class PatchTraining:
             self._group.bar.close()
 
     def finish(self) -> TrainResult:
-        """The result, once ``group()`` is None: the best run chosen on dev, the test set scored, the patch built.
-        A stop asked while the test set is scored raises TrainingStopped."""
+        """The result, once ``group()`` is None: the best run chosen on dev -- or with ``restarts_merge="average"``
+        the best learning rate's restarts averaged into one model -- the test (and held-out) set scored, the patch
+        built. A stop asked while a set is scored raises TrainingStopped."""
         assert self.group() is None, "finish() before every run has trained"
         config, runs, models, metric = self.config, self._runs, self._models, self.metric
-        best_index = max(range(len(runs)), key=lambda i: runs[i]["best_dev"][metric])  # a tie: the earlier run, the
-        best = runs[best_index]  # seed asked for
-        chosen = models[best_index]
+        train, dev, test, encoder = self.train, self.dev, self.test, self.encoder
+        scored = {
+            name: featurize(encoder.tokenizer, ds, self.labels, self.max_len)
+            for name, ds in (("test", test), ("heldout", self.heldout))
+            if ds is not None
+        }
+        shown_runs = [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs]
+        try:  # every run is scored, so the report shows what the restarts bought; the kept one is chosen on dev
+            for name, feats in scored.items():  # alone all the same
+                for shown_run, score in zip(shown_runs, self._score(runs, models, feats), strict=True):
+                    shown_run[name] = score
+            candidates, merged = runs, None
+            if config.restarts_merge == "average" and (config.restarts or 1) > 1:
+                candidates, merged = self._average_restarts(scored)
+        except TrainingStopped:
+            last = runs[-1]
+            raise TrainingStopped(last["steps"], last["planned_steps"]) from None
+        best_index = max(range(len(candidates)), key=lambda i: candidates[i]["best_dev"][metric])  # a tie: the
+        best = candidates[best_index]  # earlier run, the seed (or learning rate) asked for
+        chosen = models[best_index if merged is None else best["index"]]
         model = chosen.task_model(best["run"]) if isinstance(chosen, PackedTaskModel) else chosen
         if isinstance(chosen, PackedTaskModel) and config.dropout is not None:
             _set_dropout(model.encoder, config.dropout)  # the rate it trained with, as the padded model has it
-        train, dev, test, encoder = self.train, self.dev, self.test, self.encoder
         report: dict[str, Any] = {
             "task": config.task,
             "kind": self.kind,
@@ -653,6 +673,7 @@ class PatchTraining:
                 "metric": metric,
                 "restarts": config.restarts,
                 "restarts_why": self.restarts_why,
+                "restarts_merge": config.restarts_merge,
                 "checkpoint": self.checkpoint,
                 "checkpoint_why": self.checkpoint_why,
                 "learning_rates": self.lrs,
@@ -661,23 +682,13 @@ class PatchTraining:
             "seconds": time.perf_counter() - self.t0,
             "forward": "packed" if self.packed else "padded",
             "history": best["history"],
-            "runs": [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs],
+            "runs": shown_runs,
             "config": asdict(config),
         }
-        if test is not None:  # every run is scored, so the report shows what the restarts bought; the best one is
-            test_f = featurize(encoder.tokenizer, test, self.labels, self.max_len)  # chosen on dev alone all the same
-            stop = self.should_stop
-            try:
-                if self.packed:  # every run in one pass
-                    which = [r["run"] for r in runs]
-                    scores = evaluate_runs(models[0], test_f, self.pad_id, self.labels, which, should_stop=stop)
-                else:
-                    scores = [evaluate(m, test_f, self.pad_id, self.labels, should_stop=stop) for m in models]
-                for shown_run, score in zip(report["runs"], scores, strict=True):
-                    shown_run["test"] = score
-            except TrainingStopped:
-                raise TrainingStopped(best["steps"], best["planned_steps"]) from None
-            report["test"] = report["runs"][best_index]["test"]
+        if merged is not None:
+            report["merged"] = merged
+        source = merged[best_index] if merged is not None else shown_runs[best_index]
+        report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
         del models, chosen  # the other runs' models
         self._models = []
@@ -698,10 +709,46 @@ class PatchTraining:
             training={
                 k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params", "metric")
             }
-            | {"restarts": config.restarts},
+            | {"restarts": config.restarts}
+            | ({"restarts_merge": "average"} if merged is not None else {}),
         )
         patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
         return TrainResult(patch, report, model)
+
+    def _score(
+        self, runs: Sequence[dict[str, Any]], models: Sequence[TaskModel | PackedTaskModel], feats: list[Features]
+    ) -> list[dict[str, float]]:
+        """Metrics of each of ``runs`` (``models``: each run's model) on featurised rows."""
+        stop = self.should_stop
+        if self.packed:  # every run in one PackedTaskModel: one pass
+            which = [r["run"] for r in runs]
+            return evaluate_runs(models[0], feats, self.pad_id, self.labels, which, should_stop=stop)
+        return [evaluate(m, feats, self.pad_id, self.labels, should_stop=stop) for m in models]
+
+    @torch.no_grad()
+    def _average_restarts(self, scored: dict[str, list[Features]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Each learning rate's restarts averaged into its first restart's parameters (which they overwrite), the
+        average scored on dev and on ``scored``'s sets: (one candidate run per learning rate, as ``results()``
+        gives them plus ``"index"``, its first run's; what the report shows of each average)."""
+        runs, models, restarts = self._runs, self._models, self.config.restarts
+        assert restarts is not None, "the config is resolved"
+        firsts = list(range(0, len(runs), restarts))  # runs are ordered learning rate first, then seed
+        for first in firsts:
+            group = runs[first : first + restarts]
+            for kept, *others in zip(*(r["params"] for r in group), strict=True):
+                kept.copy_(torch.stack([kept, *others]).mean(0))
+        candidates = [runs[i] | {"index": i} for i in firsts]
+        firsts_models = [models[i] for i in firsts]
+        devs = self._score(candidates, firsts_models, self.dev_f)
+        merged = []
+        for c, dev_metrics in zip(candidates, devs, strict=True):
+            c["best_dev"] = dev_metrics
+            merged.append({"lr": c["lr"], "seeds": [r["seed"] for r in runs[c["index"] : c["index"] + restarts]]})
+            merged[-1]["dev"] = dev_metrics
+        for name, feats in scored.items():
+            for shown, score in zip(merged, self._score(candidates, firsts_models, feats), strict=True):
+                shown[name] = score
+        return candidates, merged
 
 
 class JointTrainer:
@@ -785,6 +832,7 @@ def train_patch(
     config: TrainConfig,
     *,
     test: Dataset | None = None,
+    heldout: Dataset | None = None,
     on_progress: ProgressFn | None = None,
     progress_every_s: float = 2.0,
     should_stop: StopFn = _never,
@@ -794,10 +842,13 @@ def train_patch(
 
     The encoder passed in is never modified: the packed model only reads its weights, the padded one trains a
     copy. ``packed`` (default: whenever it can, i.e. BitFit on an encoder ``packed_unsupported`` accepts) trains
-    every run together on the packed model; False trains padded, one run at a time. ``on_progress`` is called at
-    every dev evaluation and at least every ``progress_every_s`` seconds in between. ``should_stop`` is asked before
-    every update and between evaluation batches; when it says so, TrainingStopped is raised (a cancelled job, a
-    worker shutting down, a job over its time limit).
+    every run together on the packed model; False trains padded, one run at a time. ``test`` is scored for every
+    run and the kept one (never used to choose); ``heldout``, likewise, is another labelled split a benchmark may
+    choose settings on (the set's own dev split where ``dev`` was carved from the training rows), reported as
+    ``report["heldout"]``. ``on_progress`` is called at every dev evaluation and at least every
+    ``progress_every_s`` seconds in between. ``should_stop`` is asked before every update and between evaluation
+    batches; when it says so, TrainingStopped is raised (a cancelled job, a worker shutting down, a job over its
+    time limit).
     """
     training = PatchTraining(
         encoder,
@@ -805,6 +856,7 @@ def train_patch(
         dev,
         config,
         test=test,
+        heldout=heldout,
         on_progress=on_progress,
         progress_every_s=progress_every_s,
         should_stop=should_stop,
