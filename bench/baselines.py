@@ -3,7 +3,9 @@
 - ``logreg``: the floor. The frozen default encoder's mean-pooled unit vectors and scikit-learn's logistic
   regression, C chosen on the dev split (for few-sample runs the dev carved from the draw, as the trainer carves it).
   A regression pair set (STS-B) has no classifier to fit: its floor is the cosine of the two texts' vectors, no
-  training at all, which is what the sentence encoder was trained to give.
+  training at all, which is what the sentence encoder was trained to give. A tagging set's floor classifies each
+  word's unit vector (the encoder's output at the word's first subword, the trainer's own rule) the same way,
+  scored by token accuracy.
 - ``setfit``: SetFit (contrastive tuning of the whole sentence-transformers body, then a logistic-regression head),
   from PyPI, with its default settings and the default encoder as its body. It has no use for a dev split, so it
   trains on every row of the draw. Needs the ``baselines`` extra (``pip install -e .[baselines]``).
@@ -14,6 +16,7 @@ Neither is a patch: SetFit tunes every weight of the body, so each task would ne
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
@@ -25,8 +28,10 @@ from sklearn.linear_model import LogisticRegression
 
 from patches.data import Dataset
 from patches.encoder import Encoder
+from patches.format import Label
 from patches.model import mean_pool
 from trainer.metrics import spearman
+from trainer.train import IGNORE, collate, featurize
 
 # What each baseline is, as the tables show it in place of "settings that differ from today's defaults".
 BASELINES = {
@@ -69,7 +74,7 @@ def _labels(ds: Dataset) -> list[str]:
     return [str(e.label) for e in ds.examples]
 
 
-def _accuracy(predicted: Any, ds: Dataset) -> float:
+def _accuracy(predicted: Any, ds: Dataset) -> float:  # SetFit's predictions: label strings
     return float(np.mean([str(p) == gold for p, gold in zip(predicted, _labels(ds), strict=True)]))
 
 
@@ -78,17 +83,42 @@ def logreg(encoder: Encoder, train: Dataset, dev: Dataset, test: Dataset, device
     C of the best dev accuracy), fit on ``train`` only; for a regression pair set, the vectors' cosine."""
     if train.kind == "regression" and train.is_pair:
         return BaselineResult(test=_cosine_spearman(encoder, test, device), dev=_cosine_spearman(encoder, dev, device))
-    if train.kind != "classification":
-        raise SystemExit(f"{train.source}: the logistic-regression floor takes classification or sentence pairs")
-    x_train, x_dev, x_test = (embed(encoder, _texts(ds), device) for ds in (train, dev, test))
-    fits = [LogisticRegression(C=c, max_iter=5000).fit(x_train, _labels(train)) for c in C_GRID]
-    dev_scores = [_accuracy(fit.predict(x_dev), dev) for fit in fits]
+    if train.kind == "token-classification":
+        (x_train, y_train), (x_dev, y_dev), (x_test, y_test) = (
+            word_vectors(encoder, ds, train.labels, device) for ds in (train, dev, test)
+        )
+    elif train.kind == "classification":
+        x_train, x_dev, x_test = (embed(encoder, _texts(ds), device) for ds in (train, dev, test))
+        y_train, y_dev, y_test = (np.array(_labels(ds)) for ds in (train, dev, test))
+    else:
+        raise SystemExit(f"{train.source}: the logistic-regression floor takes classification, tags or sentence pairs")
+    fits = [LogisticRegression(C=c, max_iter=5000).fit(x_train, y_train) for c in C_GRID]
+    dev_scores = [float(np.mean(fit.predict(x_dev) == y_dev)) for fit in fits]
     best = dev_scores.index(max(dev_scores))
     return BaselineResult(
-        test=_accuracy(fits[best].predict(x_test), test),
+        test=float(np.mean(fits[best].predict(x_test) == y_test)),
         dev=dev_scores[best],
         settings={"C": C_GRID[best], "scikit-learn": version("scikit-learn")},
     )
+
+
+def word_vectors(
+    encoder: Encoder, ds: Dataset, tags: Sequence[Label], device: torch.device, batch_size: int = 64
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each word of a tagging set as the frozen encoder's L2-normalised output at its first subword, the word a
+    trained patch's head sees (``trainer.train.featurize``'s rule; words past the trainer's 128 tokens are cut as
+    it cuts them), and its tag's index in ``tags``: ([words, hidden] float32, [words])."""
+    feats = featurize(encoder.tokenizer, ds, tags, MAX_LENGTH)
+    model = encoder.model.to(device).eval()
+    xs, ys = [], []
+    with torch.inference_mode():
+        for i in range(0, len(feats), batch_size):
+            b = collate(feats[i : i + batch_size], int(encoder.tokenizer.pad_token_id or 0), ds.kind, device)
+            hidden = model(b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+            words = b["labels"] != IGNORE
+            xs.append(F.normalize(hidden[words], dim=-1).float().cpu())
+            ys.append(b["labels"][words].cpu())
+    return torch.cat(xs).numpy(), torch.cat(ys).numpy()
 
 
 def _cosine_spearman(encoder: Encoder, ds: Dataset, device: torch.device) -> float:

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import torch
 
-from bench.baselines import C_GRID, embed, logreg, setfit
+from bench.baselines import C_GRID, embed, logreg, setfit, word_vectors
 from bench.few_sample import run_baseline, write_table
 from bench.quality import default_settings, differences, is_current
 from bench.quality import write_table as write_quality_table
@@ -64,6 +64,41 @@ def test_the_floor_picks_c_on_dev_and_scores_test_on_the_real_encoder(minilm):
     result = logreg(minilm, train, test, test, CPU)
     assert result.settings["C"] in C_GRID and "scikit-learn" in result.settings
     assert result.dev is not None and result.dev >= 0.9 and result.test >= 0.9
+
+
+def tag_rows() -> tuple[Dataset, Dataset]:
+    """Words tagged by what they name: animals ``a``, firms ``f``, the rest ``o``; the test sentences use other
+    animals and firms than training. Frozen sentence-encoder word vectors tell them apart."""
+    animals = ["cat", "dog", "horse", "rabbit", "parrot", "goat", "sheep", "donkey"]
+    firms = ["bank", "insurer", "fund", "broker", "lender", "exchange", "brokerage", "trust"]
+
+    def ds(names: list[tuple[str, str]], source: str) -> Dataset:
+        examples = [
+            Example(tokens=["the", a, "saw", "the", f, "today"], tags=["o", "a", "o", "o", "f", "o"]) for a, f in names
+        ]
+        return Dataset("token-classification", examples, source, labels=["a", "f", "o"])
+
+    pairs = list(zip(animals, firms, strict=True))
+    return ds(pairs[:6], "train"), ds(pairs[6:], "test")
+
+
+def test_word_vectors_are_each_words_first_subword_as_the_trainer_tags_it(tiny_encoder):
+    train, _ = tag_rows()
+    x, y = word_vectors(tiny_encoder, train, train.labels, CPU)
+    assert x.shape == (36, tiny_encoder.hidden_size) and list(y[:6]) == [2, 0, 2, 2, 1, 2]  # 6 sentences of 6 words
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
+    enc = tiny_encoder.tokenizer([train.examples[0].tokens], is_split_into_words=True, return_tensors="pt")
+    firsts = [enc.word_ids(0).index(w) for w in range(6)]  # each word's first subword
+    with torch.inference_mode():
+        hidden = tiny_encoder.model(**enc).last_hidden_state[0, firsts]
+    np.testing.assert_allclose(x[:6], torch.nn.functional.normalize(hidden, dim=-1).numpy(), atol=1e-5)
+
+
+def test_the_tagging_floor_classifies_words_on_the_real_encoder(minilm):
+    train, test = tag_rows()
+    result = logreg(minilm, train, test, test, CPU)
+    assert result.settings["C"] in C_GRID
+    assert result.dev is not None and result.test >= 0.9  # token accuracy over the test sentences' 12 words
 
 
 def test_setfit_trains_the_real_body_with_its_defaults_and_scores_test(minilm):
