@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 import torch
@@ -78,17 +78,22 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
     (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
     unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
-    restart."""
+    restart. Where one run trained, ``restarts_merge`` did nothing and is left out."""
     out = dict(run_settings)
+    if "restarts_merge" not in out:
+        out["restarts_merge"] = "best"
+    elif out["restarts_merge"] is None:
+        out["restarts_merge"] = replace(RESOLVER, restarts=out.get("restarts")).restarts_merge_for(train_rows)  # type: ignore[arg-type]
     if out.get("restarts") is None:
         out["restarts"] = RESOLVER.restarts_for(train_rows)  # type: ignore[arg-type]
+    if out["restarts"] == 1:  # one run: nothing to merge
+        del out["restarts_merge"]
     if "checkpoint" not in out:
         out["checkpoint"] = "best"
     elif out["checkpoint"] is None:
         out["checkpoint"] = RESOLVER.checkpoint_for(dev_rows)  # type: ignore[arg-type]
     if out.get("metric") is None:
         out.pop("metric", None)
-    out.setdefault("restarts_merge", "best")
     return out
 
 

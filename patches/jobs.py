@@ -76,8 +76,8 @@ FULL_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "epochs": 5.0, "patience": 6}
 MAX_UPDATES_PER_RUN = 10_000_000
 MAX_RUNS = 100  # restarts x learning rates
 # Small data is where fine-tuning is unstable across seeds (Zhang et al., ICLR 2021): with fewer than this many
-# training rows and no `restarts` given, a config trains SMALL_DATA_RESTARTS seeds and keeps the best dev score
-# (docs/few-sample.md measures it).
+# training rows and no `restarts` given, a config trains SMALL_DATA_RESTARTS seeds and averages them into one patch
+# (`restarts_merge`; docs/few-sample.md measures it).
 SMALL_DATA_ROWS = 1000
 SMALL_DATA_RESTARTS = 3
 # A dev set this small scores in steps of several points (26 rows: 4 points, a standard error near 9), too coarse
@@ -131,8 +131,9 @@ class TrainConfig:
     # which checkpoint of a run is kept: "best" (dev score) or "last"; None: last when dev has < SMALL_DEV_ROWS rows
     checkpoint: Literal["best", "last"] | None = None
     # what the restarts make: "best", the run with the best dev score; "average", one patch whose biases and head
-    # are the mean of the restarts' (which then share their head's initialisation: a "model soup" of the seeds)
-    restarts_merge: Literal["best", "average"] = "best"
+    # are the mean of the restarts' (which then share their head's initialisation: a "model soup" of the seeds).
+    # None: average where the restarts are automatic (small data), else best
+    restarts_merge: Literal["best", "average"] | None = None
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -181,6 +182,14 @@ class TrainConfig:
         if self.restarts is not None:
             return self.restarts
         return SMALL_DATA_RESTARTS if train_rows < SMALL_DATA_ROWS else 1
+
+    def restarts_merge_for(self, train_rows: int) -> Literal["best", "average"]:
+        """What the restarts on ``train_rows`` rows make: ``restarts_merge``, or when unset their average where the
+        restarts are automatic (small data: a dev set carved from so few rows cannot tell healthy seeds apart, and
+        their average scored better on the sets' own dev splits, docs/few-sample.md), else the best dev score."""
+        if self.restarts_merge is not None:
+            return self.restarts_merge
+        return "average" if self.restarts is None and train_rows < SMALL_DATA_ROWS else "best"
 
     def runs(self, train_rows: int) -> int:
         """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""

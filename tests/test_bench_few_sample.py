@@ -68,11 +68,16 @@ def test_averaged_runs_are_compared_with_the_restart_their_dev_would_have_kept(t
     ]
     write_table(runs, tmp_path / "t.md", "cmd")
     text = (tmp_path / "t.md").read_text()
-    assert "| rotten_tomatoes | 256 | bitfit | restarts_merge=average | 72.5 ± 3.5 | 74.5 ± 0.7 |" in text
+    # on 256 rows the average is today's default (the restarts are automatic there)
+    assert "| rotten_tomatoes | 256 | bitfit | today's defaults | 72.5 ± 3.5 | 74.5 ± 0.7 |" in text
     assert (
-        "- rotten_tomatoes, 256 rows, bitfit (restarts_merge=average, cpu): the average against the best restart by "
+        "- rotten_tomatoes, 256 rows, bitfit (today's defaults, cpu): the average against the best restart by "
         "dev, same runs: test +0.5 (per draw: +3.0, -2.0); set's dev +1.5 (per draw: +1.0, +2.0)"
     ) in text
+    best_before = default_settings("bitfit")  # a run recorded before restarts could be averaged kept the best
+    del best_before["restarts_merge"]
+    assert differences({"mode": "bitfit", "rows": 256, "settings": best_before}) == "restarts_merge=best"
+    assert differences({"mode": "bitfit", "rows": 2560, "settings": best_before}) == "today's defaults"  # 1 run
 
 
 def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():

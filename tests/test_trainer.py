@@ -389,14 +389,26 @@ def test_small_data_restarts_automatically_and_the_report_says_why(tmp_path, tin
     result = train_patch(tiny_encoder, train, dev, _config(min_steps=15, restarts=None), test=dev)
     report = result.report
     assert [r["seed"] for r in report["runs"]] == [0, 1, 2]
-    assert report["selection"]["restarts"] == 3 and "automatic: 64 training rows" in report["selection"]["restarts_why"]
-    assert report["dev"]["accuracy"] == max(r["best_dev"]["accuracy"] for r in report["runs"])
+    why = report["selection"]["restarts_why"]
+    assert report["selection"]["restarts"] == 3 and why.startswith("automatic: 64 training rows")
+    assert why.endswith("averaged into one patch") and report["selection"]["restarts_merge"] == "average"
     assert all(set(r["test"]) == {"accuracy", "macro_f1"} for r in report["runs"])  # each restart scored on test
+    assert [m["seeds"] for m in report["merged"]] == [[0, 1, 2]]
+    assert report["test"] == report["merged"][0]["test"] and report["dev"] == report["merged"][0]["dev"]
+    assert result.patch.meta.training["restarts"] == 3 and result.patch.meta.training["restarts_merge"] == "average"
+    # asked for: the best dev score is kept
+    best = train_patch(tiny_encoder, train, dev, _config(min_steps=15, restarts=None, restarts_merge="best"), test=dev)
+    report = best.report
+    assert report["selection"]["restarts_why"].endswith("the best dev score kept") and "merged" not in report
+    assert report["dev"]["accuracy"] == max(r["best_dev"]["accuracy"] for r in report["runs"])
     chosen = next(r for r in report["runs"] if r["seed"] == report["seed"])
-    assert report["test"] == chosen["test"] and result.patch.meta.training["restarts"] == 3
-    # the rule itself: small data (under 1,000 rows) gets 3 seeds, more data 1, and a set value always wins
+    assert report["test"] == chosen["test"]
+    # the rule itself: small data (under 1,000 rows) gets 3 seeds, averaged, more data 1, and a set value always wins
     config = TrainConfig(task="t")
     assert (config.restarts_for(999), config.restarts_for(1000), config.runs(10)) == (3, 1, 3)
+    assert (config.restarts_merge_for(999), config.restarts_merge_for(1000)) == ("average", "best")
+    assert TrainConfig(task="t", restarts=3).restarts_merge_for(10) == "best"  # restarts asked for: the best of them
+    assert TrainConfig(task="t", restarts_merge="best").restarts_merge_for(10) == "best"
     assert TrainConfig(task="t", restarts=2, lr_search=[1e-3, 2e-3]).runs(10) == 4
     assert TrainConfig(task="t", restarts=1).restarts_for(10) == 1
 

@@ -60,9 +60,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--restarts-merge",
         choices=["best", "average"],
-        default="best",
-        help="what the restarts make: 'best' keeps the run with the best dev score (default); 'average' starts "
-        "every restart's head alike and averages the restarts' biases and heads into one patch",
+        help="what the restarts make: 'best' keeps the run with the best dev score; 'average' starts every "
+        "restart's head alike and averages the restarts' biases and heads into one patch (default: average where "
+        f"the restarts are automatic, i.e. under {SMALL_DATA_ROWS} training rows, else best)",
     )
     p.add_argument(
         "--checkpoint",

@@ -584,7 +584,12 @@ class PatchTraining:
                 else "ranks checkpoints, so the best one is kept"
             )
         )
-        self.config = config = replace(config.resolved(), restarts=restarts, checkpoint=checkpoint)
+        merge = config.restarts_merge_for(len(train))
+        if restarts > 1:
+            self.restarts_why += f", {'averaged into one patch' if merge == 'average' else 'the best dev score kept'}"
+        self.config = config = replace(
+            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge
+        )
         self.checkpoint: str = checkpoint
         assert config.lr is not None
         unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(encoder.model)
