@@ -303,3 +303,19 @@ def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder
         assert padded.report["forward"] == "padded"
         ref = _dev_logits(alone[(1e-2, config.seed)], tiny_encoder, dev)
         torch.testing.assert_close(_dev_logits(padded, tiny_encoder, dev), ref, rtol=0, atol=1e-3)
+
+
+def test_averaged_restarts_train_packed_as_padded_one_by_one(tmp_path, tiny_encoder):
+    # small data: 3 automatic restarts, averaged; the padded model trains them one after another, each a model of
+    # its own, and averages those models: the same patch as the packed runs' average
+    train, dev = _data(tmp_path, "classification", n_train=96, n_dev=32)
+    config = _config(min_steps=24, eval_every=4, dropout=0.0, restarts=None)
+    packed = train_patch(tiny_encoder, train, dev, config)
+    padded = train_patch(tiny_encoder, train, dev, config, packed=False)
+    assert (packed.report["forward"], padded.report["forward"]) == ("packed", "padded")
+    assert packed.report["merged"][0]["seeds"] == padded.report["merged"][0]["seeds"] == [0, 1, 2]
+    torch.testing.assert_close(
+        _dev_logits(padded, tiny_encoder, dev), _dev_logits(packed, tiny_encoder, dev), rtol=0, atol=1e-3
+    )
+    assert packed.patch is not None and padded.patch is not None
+    torch.testing.assert_close(padded.patch.head_weight, packed.patch.head_weight, rtol=0, atol=1e-3)
