@@ -37,17 +37,16 @@ from bench.quality import (
     add_run_arguments,
     already_run,
     device_of,
-    device_type,
     differences,
-    load_runs,
     parse_overrides,
     record_run,
+    recorded,
     run_rows,
     settings,
 )
 from patches.data import Dataset, load_dataset, split_dev
 from patches.encoder import Encoder, default_encoder_path, load_encoder, resolve_device
-from patches.jobs import TrainConfig
+from patches.jobs import SELECTION_METRICS, TrainConfig
 from trainer.train import train_patch
 
 RESTART_NOTE = (
@@ -190,15 +189,12 @@ def main() -> None:
             for mode in args.modes:
                 for seed in args.seeds:
                     if mode in BASELINES:
-                        key = (ds, size, mode, seed, device.type)
-                        if any(
-                            (r["set"], r.get("rows"), r["mode"], r["seed"], device_type(r)) == key
-                            for r in load_runs(runs_file)
-                        ):
+                        if recorded(runs_file, device, set=ds, rows=size, mode=mode, seed=seed):
                             continue
                         t0 = time.perf_counter()
                         result = run_baseline(mode, encoder, sample(full, size, seed), test, seed, device)
-                        rec = {"set": ds, "rows": size, "mode": mode, "seed": seed, "metric": "accuracy"}
+                        rec = {"set": ds, "rows": size, "mode": mode, "seed": seed}
+                        rec["metric"] = SELECTION_METRICS[full.kind][0]  # the kind's default
                         rec |= {"test": result.test, "dev": result.dev, "settings": result.settings}
                         rec["seconds"] = time.perf_counter() - t0
                         record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))

@@ -32,7 +32,7 @@ import torch
 from bench.baselines import BASELINES, logreg
 from patches.data import DataFile, load_splits
 from patches.encoder import load_encoder, resolve_device
-from patches.jobs import TrainConfig
+from patches.jobs import SELECTION_METRICS, TrainConfig
 from trainer.train import train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,12 +171,16 @@ def already_run(
     kind of device, with these fields (set, seed..)."""
     goal = as_trained(wanted, *row_counts)
     return any(
-        "settings" in r
-        and as_trained(r["settings"], *row_counts) == goal
-        and device_type(r) == device.type
-        and all(r.get(k) == v for k, v in key.items())
-        for r in load_runs(runs_file)
+        "settings" in r and as_trained(r["settings"], *row_counts) == goal for r in recorded(runs_file, device, **key)
     )
+
+
+def recorded(runs_file: Path, device: torch.device, **key: Any) -> list[dict]:
+    """The runs in ``runs_file`` on this kind of device with these fields (set, seed..), whatever their settings: a
+    baseline's are what it chose, not what it was asked."""
+    return [
+        r for r in load_runs(runs_file) if device_type(r) == device.type and all(r.get(k) == v for k, v in key.items())
+    ]
 
 
 def record_run(
@@ -347,9 +351,7 @@ def main() -> None:
                         "set": ds,
                         "mode": mode,
                         "seed": 0,
-                        "metric": {"regression": "spearman", "token-classification": "token_accuracy"}.get(
-                            splits.train.kind, "accuracy"
-                        ),
+                        "metric": SELECTION_METRICS[splits.train.kind][0],  # the kind's default
                         "test": floor.test,
                         "dev": floor.dev,
                     }

@@ -748,8 +748,8 @@ class PatchTraining:
         merged = []
         for c, dev_metrics in zip(candidates, devs, strict=True):
             c["best_dev"] = dev_metrics
-            merged.append({"lr": c["lr"], "seeds": [r["seed"] for r in runs[c["index"] : c["index"] + restarts]]})
-            merged[-1]["dev"] = dev_metrics
+            seeds = [r["seed"] for r in runs[c["index"] : c["index"] + restarts]]
+            merged.append({"lr": c["lr"], "seeds": seeds, "dev": dev_metrics})
         for name, feats in scored.items():
             for shown, score in zip(merged, self._score(candidates, firsts_models, feats), strict=True):
                 shown[name] = score
