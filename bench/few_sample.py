@@ -114,6 +114,32 @@ def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
     return ["", *lines] if lines else []
 
 
+def _contrastive_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -> list[str]:
+    """Where today's defaults (a contrastive stage on small classification data) and the same settings without the
+    stage (``contrastive=0``) ran on the same draws: the stage's gain on each draw, paired, so the rows drawn
+    cancel out."""
+    lines = []
+    for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
+        without = groups.get((ds, rows, mode, "contrastive=0", device), [])
+        if diff != "today's defaults" or not without:
+            continue
+        by_seed = {r["seed"]: r for r in without}
+        paired = [(r, by_seed[r["seed"]]) for r in grp if r["seed"] in by_seed and "heldout" in r]
+        if not paired:
+            continue
+        shown = []
+        for name, key in (("set's dev", "heldout"), ("test", "test")):
+            gains = [100 * (r[key] - base[key]) for r, base in paired if key in base]
+            if gains:
+                per_draw = ", ".join(f"{g:+.1f}" for g in gains)
+                shown.append(f"{name} {statistics.mean(gains):+.1f} (per draw: {per_draw})")
+        lines.append(
+            f"- {ds}, {rows} rows, {mode} ({device}): the contrastive stage (today's default) against none, same "
+            f"draws: {'; '.join(shown)}"
+        )
+    return ["", *lines] if lines else []
+
+
 def write_table(runs: list[dict], path: Path, command: str) -> None:
     lines = [
         "# Trainer on small data: a few hundred rows, dev carved from them",
@@ -156,6 +182,7 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
     notes = sorted({f"{differences(r)}: {r['note']}" for r in runs if r.get("note")})
     lines += ["", *(f"- {n}" for n in notes)] if notes else []
     lines += _averaging_lines(groups)
+    lines += _contrastive_lines(groups)
     lines += ["", RESTART_NOTE]
     path.write_text("\n".join(lines) + "\n")
 
@@ -202,7 +229,14 @@ def main() -> None:
                     config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                     wanted = settings(config)
                     if already_run(
-                        runs_file, wanted, run_rows({"rows": size}), device, set=ds, rows=size, mode=mode, seed=seed
+                        runs_file,
+                        wanted,
+                        run_rows({"rows": size, "set": ds}),
+                        device,
+                        set=ds,
+                        rows=size,
+                        mode=mode,
+                        seed=seed,
                     ):
                         continue
                     train, dev = split_dev(sample(full, size, seed), seed=seed)
@@ -234,6 +268,8 @@ def main() -> None:
                         "settings": wanted,
                         "seconds": time.perf_counter() - t0,
                     }
+                    if "contrastive" in report:  # the contrastive stage: its rounds, pairs, updates and time
+                        rec["contrastive"] = report["contrastive"]
                     if "merged" in report:  # restarts_merge=average: each learning rate's average
                         rec["merged"] = [
                             {"seeds": m["seeds"]} | {k: m[k][metric] for k in ("dev", "test", "heldout")}

@@ -187,7 +187,9 @@ class JobPublic(BaseModel):
     worker: str | None = None
     attempts: int = 0
     progress: dict[str, Any] = Field(
-        default_factory=dict, description="While training: step, total_steps, loss, dev metrics, seed, lr."
+        default_factory=dict,
+        description="While training: step, total_steps, loss, dev metrics, seed, lr; stage: 'contrastive' while "
+        "the contrastive stage trains (its steps are its own).",
     )
     result: dict[str, Any] = Field(
         default_factory=dict, description="When done: dev/test metrics, steps, seconds; version and patch_id."

@@ -80,6 +80,11 @@ MAX_RUNS = 100  # restarts x learning rates
 # (`restarts_merge`; docs/few-sample.md measures it).
 SMALL_DATA_ROWS = 1000
 SMALL_DATA_RESTARTS = 3
+# On small classification data a BitFit job first trains its biases contrastively (SetFit's objective, biases
+# only): CONTRASTIVE_ROUNDS rounds, each pairing every training row with a row of its label and a row of another,
+# CONTRASTIVE_PAIRS_PER_UPDATE pairs an update (`contrastive`; docs/few-sample.md measures it).
+CONTRASTIVE_ROUNDS = 8
+CONTRASTIVE_PAIRS_PER_UPDATE = 16
 # A dev set this small scores in steps of several points (26 rows: 4 points, a standard error near 9), too coarse
 # to rank the checkpoints of one run: with no `checkpoint` given, such a run keeps its last checkpoint, not its best.
 SMALL_DEV_ROWS = 100
@@ -134,6 +139,11 @@ class TrainConfig:
     # are the mean of the restarts' (which then share their head's initialisation: a "model soup" of the seeds).
     # None: average where the restarts are automatic (small data), else best
     restarts_merge: Literal["best", "average"] | None = None
+    # rounds of contrastive bias training before the runs (BitFit on classification only): each round pairs every
+    # training row with one row of its label (cosine 1) and one of another label (cosine 0), and the biases learn
+    # those cosines of the pooled vectors, as SetFit tunes its body; every run then starts from the tuned biases.
+    # 0: none. None: CONTRASTIVE_ROUNDS on small classification data (under SMALL_DATA_ROWS rows), else 0
+    contrastive: Annotated[int, Field(ge=0, le=1000)] | None = None
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -148,6 +158,11 @@ class TrainConfig:
             (self.metric is None or self.metric in METRIC_NAMES, f"metric must be one of {METRIC_NAMES}"),
             (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
+            (not (self.full and self.contrastive), "contrastive trains biases only; drop it or full"),
+            (
+                not self.contrastive or self.kind in (None, "classification"),
+                "contrastive pairs rows by their label, so it needs classification; set contrastive to 0",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -190,6 +205,26 @@ class TrainConfig:
         if self.restarts_merge is not None:
             return self.restarts_merge
         return "average" if self.restarts is None and train_rows < SMALL_DATA_ROWS else "best"
+
+    def contrastive_for(self, kind: str, train_rows: int) -> int:
+        """Rounds of contrastive bias training on ``train_rows`` rows of ``kind``: ``contrastive``, or when unset
+        CONTRASTIVE_ROUNDS for BitFit on small classification data, where it scored better on the sets' own dev
+        splits (docs/few-sample.md), else 0. A set ``contrastive`` on another kind is a JobError."""
+        if self.contrastive is not None:
+            if self.contrastive and kind != "classification":
+                raise JobError(
+                    f"training config: contrastive pairs rows by their label, so it needs classification, not {kind}; "
+                    "set contrastive to 0"
+                )
+            return self.contrastive
+        small = train_rows < SMALL_DATA_ROWS
+        return CONTRASTIVE_ROUNDS if small and kind == "classification" and not self.full else 0
+
+    def contrastive_steps(self, kind: str | None, train_rows: int) -> int:
+        """Updates of the contrastive stage on ``train_rows`` rows (of ``kind``; None: as if classification, the
+        most it can be): two pairs a row a round."""
+        rounds = self.contrastive_for(kind or "classification", train_rows)
+        return math.ceil(rounds * 2 * train_rows / CONTRASTIVE_PAIRS_PER_UPDATE)
 
     def runs(self, train_rows: int) -> int:
         """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""
@@ -275,14 +310,18 @@ class JobLimits:
     max_updates: int = 100_000  # optimizer updates over all of a job's runs (restarts x learning rates)
     max_seconds: float = 24 * 3600.0  # wall-clock time a worker gives one job before stopping it
 
-    def check(self, config: TrainConfig, train_rows: int) -> None:
+    def check(self, config: TrainConfig, train_rows: int, kind: str | None = None) -> None:
+        """A JobError when ``config`` on ``train_rows`` rows (of ``kind``; None: as if classification, the most its
+        contrastive stage can cost) would make more updates than ``max_updates``."""
         per_run, runs = config.planned_steps(train_rows), config.runs(train_rows)
-        total = per_run * runs
+        contrastive = config.contrastive_steps(kind, train_rows)
+        total = per_run * runs + contrastive
         if total > self.max_updates:
+            stage = f" + {contrastive} contrastive" if contrastive else ""
             raise JobError(
-                f"this job would make {total} updates ({runs} run(s) x {per_run}), over this deployment's "
-                f"limit of {self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts or "
-                "lr_search, or set max_steps"
+                f"this job would make {total} updates ({runs} run(s) x {per_run}{stage}), over this deployment's "
+                f"limit of {self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts, "
+                "lr_search or contrastive, or set max_steps"
             )
 
 

@@ -14,7 +14,16 @@ from patches.model import TaskModel
 from patches.packed import add_exact_attention, dropout, keep_mask
 from patches.packed_model import PackedTaskModel, joint_forward, training_bert
 from tests.test_trainer import _config, _data
-from trainer.train import Features, _set_dropout, collate, featurize, loss_fn, train_patch
+from trainer.train import (
+    Features,
+    JointTrainer,
+    PatchTraining,
+    _set_dropout,
+    collate,
+    featurize,
+    loss_fn,
+    train_patch,
+)
 
 SENTENCES = [
     "the cat sat",
@@ -319,3 +328,31 @@ def test_averaged_restarts_train_packed_as_padded_one_by_one(tmp_path, tiny_enco
     )
     assert packed.patch is not None and padded.patch is not None
     torch.testing.assert_close(padded.patch.head_weight, packed.patch.head_weight, rtol=0, atol=1e-3)
+
+
+def test_a_contrastive_stage_trains_beside_another_jobs_runs_as_it_would_alone(tmp_path, tiny_encoder):
+    """One job's contrastive stage and another job's runs share each update's packed encode (joint_forward: the
+    stage's model gives pooled vectors, the runs' logits); each job's patch is the one it trains alone."""
+    train, dev = _data(tmp_path, "classification", n_train=48, n_dev=16)
+    configs = [
+        _config(task="a", min_steps=8, eval_every=4, dropout=0.0, contrastive=2),
+        _config(task="b", min_steps=16, eval_every=4, dropout=0.0, seed=1),
+    ]
+    shared = training_bert(tiny_encoder.model)
+    trainings = [PatchTraining(tiny_encoder, train, dev, c, packed_bert=shared) for c in configs]
+    trainer = JointTrainer(trainings)
+    joint_steps = 0
+    while len(trainer):
+        groups = [t.group() for t in trainer.trainings]
+        if len(groups) == 2 and {g.stage for g in groups if g is not None} == {"contrastive", None}:
+            joint_steps += 1  # this update encodes the stage's pairs and the other job's rows together
+        assert all(error is None for _, error in trainer.step())
+    assert joint_steps == 12  # 2 rounds x 48 rows x 2 / 16 pairs: the whole stage beside job b's runs
+    together = [t.finish() for t in trainings]
+    assert "contrastive" in together[0].report and "contrastive" not in together[1].report
+    for config, joint in zip(configs, together, strict=True):
+        alone = train_patch(tiny_encoder, train, dev, config)
+        assert alone.patch is not None and joint.patch is not None
+        for name, value in alone.patch.biases.items():
+            torch.testing.assert_close(joint.patch.biases[name], value, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(joint.patch.head_weight, alone.patch.head_weight, rtol=0, atol=1e-5)

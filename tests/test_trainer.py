@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 
 import pytest
 import redis
@@ -14,10 +15,21 @@ from patches.data import DataError, DataFile, load_dataset, load_splits, split_d
 from patches.format import Patch
 from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
 from patches.model import TaskModel
+from patches.packed_model import PackedTaskModel
 from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
 from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
 from trainer.metrics import classification_metrics, tagging_metrics
-from trainer.train import JointTrainer, PatchTraining, evaluate, featurize, train_patch
+from trainer.train import (
+    JointTrainer,
+    PatchTraining,
+    TrainingStopped,
+    collate,
+    contrastive_pairs,
+    evaluate,
+    featurize,
+    progress_line,
+    train_patch,
+)
 
 
 def _data(tmp_path, kind, n_train=240, n_dev=60):
@@ -43,6 +55,7 @@ def _config(**kw) -> TrainConfig:
         "pooling": "mean",
         "restarts": 1,  # one seed unless a test is about restarts (small data would get 3)
         "checkpoint": "best",  # these dev sets are tiny: by default they would keep the last checkpoint
+        "contrastive": 0,  # no contrastive stage unless a test is about it (small classification data gets one)
     }
     return TrainConfig(**(base | kw))
 
@@ -416,8 +429,14 @@ def test_small_data_restarts_automatically_and_the_report_says_why(tmp_path, tin
 def test_job_limits_count_the_automatic_restarts():
     limits = JobLimits(max_updates=1500)
     limits.check(TrainConfig(task="t"), 2000)  # 2,000 rows: 1 run of 10 epochs x 125 updates
-    with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\)"):  # 100 rows: 3 automatic restarts
+    # 100 rows: 3 automatic restarts, and on classification (or an unknown kind) the contrastive stage's
+    # 8 rounds x 2 pairs a row / 16 pairs an update
+    with pytest.raises(JobError, match=r"1900 updates \(3 run\(s\) x 600 \+ 100 contrastive\)"):
         limits.check(TrainConfig(task="t"), 100)
+    with pytest.raises(JobError, match=r"1900 updates"):
+        limits.check(TrainConfig(task="t"), 100, "classification")
+    with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\), over"):  # no stage for scores
+        limits.check(TrainConfig(task="t"), 100, "regression")
     limits.check(TrainConfig(task="t", restarts=1), 100)
 
 
@@ -541,3 +560,138 @@ def test_a_tag_only_dev_and_test_carry_joins_the_tag_set_and_counts_as_an_error(
     cats = sum(t == "NOUN" for r in test_rows for t in r["tags"])
     ceiling = 1 - cats / sum(len(r["tags"]) for r in test_rows)  # every NOUN token wrong, every other one right
     assert ceiling - 0.1 < scores["token_accuracy"] <= ceiling
+
+
+def test_contrastive_pairs_pair_each_row_with_its_label_and_another():
+    labels = [0, 0, 0, 1, 1, 2]  # label 2 has one row
+    pairs = contrastive_pairs(labels, 2, random.Random(0))
+    assert len(pairs) == 2 * 2 * len(labels)  # each round: every row once with its label, once with another
+    anchors = [i for i, _, _ in pairs]
+    assert all(anchors.count(i) == 4 for i in range(len(labels)))
+    for i, j, target in pairs:
+        if target == 1.0:  # another row of its label, itself only where its label has no other row
+            assert labels[j] == labels[i] and (j != i or labels.count(labels[i]) == 1)
+        else:
+            assert target == 0.0 and labels[j] != labels[i]
+    assert pairs == contrastive_pairs(labels, 2, random.Random(0)) != contrastive_pairs(labels, 2, random.Random(1))
+    assert all(t == 1.0 for _, _, t in contrastive_pairs([3, 3, 3], 1, random.Random(0)))  # one label: no negatives
+
+
+def _pair_loss(encoder, feats, pairs, start):
+    """(the contrastive objective of ``pairs``, their mean cosine at target 1 minus at target 0) with the biases at
+    ``start``, without dropout."""
+    head = torch.nn.Linear(encoder.hidden_size, 1)
+    model = PackedTaskModel(encoder.model, [head], "classification", "mean", list(start), start=start, pooled=True)
+    model.eval()
+    rows = [feats[i] for i, _, _ in pairs] + [feats[j] for _, j, _ in pairs]
+    b = collate(rows, 0, "classification", torch.device("cpu"))
+    with torch.no_grad():
+        pooled = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
+    n = len(pairs)
+    cosine = torch.nn.functional.cosine_similarity(pooled[:n], pooled[n:])
+    targets = torch.tensor([t for _, _, t in pairs])
+    gap = float(cosine[targets == 1].mean() - cosine[targets == 0].mean())
+    return float(torch.nn.functional.mse_loss(cosine, targets)), gap
+
+
+def test_the_contrastive_stage_tunes_the_biases_every_run_then_starts_from(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    # no dropout, so the objective below is the stage's own; at the tiny model's scale 8 rounds at 3e-2 halve it
+    config = _config(
+        min_steps=10, contrastive=8, lr=3e-2, restarts=2, restarts_merge="average", checkpoint="last", dropout=0.0
+    )
+    seen: list[dict] = []
+    training = PatchTraining(tiny_encoder, train, dev, config, on_progress=seen.append, progress_every_s=0.0)
+    trainer = JointTrainer([training])
+    while training._group is None or training._group.stage == "contrastive":  # the stage, to its end
+        assert all(error is None for _, error in trainer.step())
+        if training._group.done:
+            break
+    runs = training.group()  # the runs, built on the stage's biases, before their first update
+    assert runs is not None and runs.stage is None and isinstance(runs.model, PackedTaskModel)
+    tuned = training.start
+    assert tuned is not None and list(tuned) == runs.model.trained
+    for run in range(2):
+        for name, value in zip(runs.model.trained, runs.model.run_biases_of(run), strict=True):
+            assert torch.equal(value.detach(), tuned[name]), name
+    while len(trainer):
+        assert all(error is None for _, error in trainer.step())
+    result = training.finish()
+    report = result.report
+    # 8 rounds x 64 rows x 2 pairs = 1,024 pairs, 16 an update
+    assert report["contrastive"] | {"loss": 0, "seconds": 0} == {
+        "rounds": 8,
+        "pairs": 1024,
+        "steps": 64,
+        "pairs_per_update": 16,
+        "loss": 0,
+        "seconds": 0,
+    }
+    assert report["selection"]["contrastive"] == 8 and report["selection"]["contrastive_why"] == "set: contrastive=8"
+    assert result.patch is not None and result.patch.meta.training["contrastive"] == 8
+    stage = [p for p in seen if p.get("stage") == "contrastive"]
+    assert stage[-1]["step"] == stage[-1]["total_steps"] == 64 and stage[0]["step"] == 1
+    assert "contrastive step 1/64" in progress_line(stage[0])
+    # the stage lowered its own objective (on its pairs, measured without dropout)
+    feats = featurize(tiny_encoder.tokenizer, train, train.labels, 128)
+    pairs = contrastive_pairs([int(f.label) for f in feats], 8, random.Random(config.seed))
+    base = {n: p.detach() for n, p in bias_parameters(tiny_encoder.model).items() if n in tuned}
+    (loss, gap), (loss_before, gap_before) = (_pair_loss(tiny_encoder, feats, pairs, b) for b in (tuned, base))
+    assert loss < 0.6 * loss_before and gap > gap_before + 0.05  # rows of one label closer than rows of two
+
+
+def test_the_contrastive_default_is_small_classification_data_on_the_packed_model(tmp_path, tiny_encoder):
+    config = TrainConfig(task="t")
+    assert [config.contrastive_for(k, 999) for k in ("classification", "regression", "token-classification")] == [
+        8,
+        0,
+        0,
+    ]
+    assert config.contrastive_for("classification", 1000) == 0  # large data: none
+    assert TrainConfig(task="t", full=True).contrastive_for("classification", 10) == 0
+    assert TrainConfig(task="t", contrastive=3).contrastive_for("classification", 5000) == 3
+    with pytest.raises(JobError, match="needs classification, not regression; set contrastive to 0"):
+        TrainConfig(task="t", contrastive=3).contrastive_for("regression", 10)
+    with pytest.raises(JobError, match="contrastive trains biases only"):
+        TrainConfig(task="t", full=True, contrastive=2)
+    with pytest.raises(JobError, match="needs classification"):
+        TrainConfig(task="t", kind="regression", contrastive=2)
+    train, dev = _data(tmp_path, "classification", 32, 8)
+    small = train_patch(tiny_encoder, train, dev, _config(min_steps=4, contrastive=None))
+    assert small.report["contrastive"]["rounds"] == 8 and small.report["contrastive"]["steps"] == 32
+    why = small.report["selection"]["contrastive_why"]
+    assert why == "automatic: 32 training rows of classification are under 1000, so 8 rounds"
+    scores, scores_dev = _data(tmp_path, "regression", 32, 8)
+    regression = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=4, contrastive=None))
+    assert "contrastive" not in regression.report and regression.report["selection"]["contrastive"] == 0
+    # the padded model has no stage: by default none, asked for an error
+    padded = train_patch(tiny_encoder, train, dev, _config(min_steps=4, contrastive=None), packed=False)
+    assert "contrastive" not in padded.report
+    assert padded.report["selection"]["contrastive_why"] == "automatic: none, since the packed model is off here"
+    with pytest.raises(ValueError, match="trains on the packed model, which is off here"):
+        train_patch(tiny_encoder, train, dev, _config(contrastive=2), packed=False)
+    with pytest.raises(JobError, match="needs classification"):
+        train_patch(tiny_encoder, scores, scores_dev, _config(contrastive=2))
+
+
+def test_a_stop_during_the_contrastive_stage_says_so(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    calls = iter(range(1000))
+    with pytest.raises(TrainingStopped, match=r"stopped at update 3 of 32 of the contrastive stage"):
+        train_patch(tiny_encoder, train, dev, _config(contrastive=4), should_stop=lambda: next(calls) >= 3)
+
+
+def test_cli_train_takes_contrastive_and_refuses_it_where_rows_have_no_label(tmp_path, tiny_bert_dir, capsys):
+    from patches.cli import main
+
+    rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
+    argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
+    argv += ["--restarts", "1", "--out", str(tmp_path / "sent.safetensors")]
+    assert main([*argv, "--train", str(rows), "--contrastive", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["selection"]["contrastive"] == 1 and summary["selection"]["contrastive_why"] == "set: contrastive=1"
+    assert Patch.read(tmp_path / "sent.safetensors").meta.training["contrastive"] == 1
+    scores = write_jsonl(tmp_path / "scores.jsonl", synthetic_rows("regression", 40, seed=1))
+    assert main([*argv, "--train", str(scores), "--contrastive", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "needs classification, not regression; set contrastive to 0" in err and "step " not in err

@@ -37,6 +37,7 @@ CONFIG = {
     "device": "cpu",
     "patience": 100,
     "restarts": 1,  # one seed: these tests are about the queue (small data would train 3)
+    "contrastive": 0,  # and no contrastive stage (small classification data would get one)
 }
 
 
@@ -374,6 +375,9 @@ def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_rea
         ({"gate": [0.8]}, "gate must be a JSON object"),
         ({"metric": "f1"}, "metric must be one of"),
         ({"metric": "entity_f1"}, "metric 'entity_f1' does not score a classification task"),  # known from the data
+        ({"contrastive": -1}, "contrastive: Input should be greater than or equal to 0"),
+        ({"contrastive": 2, "full": True}, "contrastive trains biases only"),
+        ({"contrastive": 2, "kind": "regression"}, "contrastive pairs rows by their label"),
     ],
 )
 def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):

@@ -4,8 +4,10 @@ Follows the few-sample practices of Zhang et al. (ICLR 2021): bias-corrected Ada
 10% of steps then linear decay, gradient clipping at 1.0, a minimum number of update steps so small data sets
 train long enough, dev evaluation with early stopping and best-checkpoint restore (a tie goes to the later
 checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
-the best dev score of the task's selection metric (``TrainConfig.selection_metric``). ``full=True``
-fine-tunes every weight of the same encoder for comparison and returns a report only.
+the best dev score of the task's selection metric (``TrainConfig.selection_metric``); on small data the restarts are
+averaged into one patch. On small classification data a contrastive stage comes first (``_ContrastiveStage``:
+SetFit's pair objective, biases only), and every run starts from its biases. ``full=True`` fine-tunes every weight
+of the same encoder for comparison and returns a report only.
 
 BitFit on a BERT encoder trains on the serving engine's packed model (``patches/packed_model.py``): no padding
 reaches a matrix product, and a job's restarts and learning-rate candidates train together in one batch, each row
@@ -21,7 +23,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -35,7 +37,7 @@ from patches.data import Dataset
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
-from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
+from patches.jobs import CONTRASTIVE_PAIRS_PER_UPDATE, SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel
 from patches.packed import PackedBert, packed_unsupported
 from patches.packed_model import PackedTaskModel, Part, joint_forward
@@ -65,9 +67,9 @@ StopFn = Callable[[], bool]
 class TrainingStopped(Exception):
     """``should_stop`` said so: the run ended between two steps, and nothing was produced."""
 
-    def __init__(self, step: int, total: int) -> None:
-        super().__init__(f"stopped at update {step} of {total}")
-        self.step, self.total = step, total
+    def __init__(self, step: int, total: int, stage: str | None = None) -> None:
+        super().__init__(f"stopped at update {step} of {total}" + (f" of the {stage} stage" if stage else ""))
+        self.step, self.total, self.stage = step, total, stage
 
 
 def _never() -> bool:
@@ -77,7 +79,8 @@ def _never() -> bool:
 def progress_line(p: dict[str, Any]) -> str:
     """One plain line for a progress report (what ``on_progress`` receives), for logs and non-terminal stderr."""
     dev = "".join(f" dev {k} {v:.4f}" for k, v in (p["dev"] or {}).items())
-    return f"step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
+    stage = f"{p['stage']} " if p.get("stage") else ""
+    return f"{stage}step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
 
 
 def featurize(tokenizer: Any, ds: Dataset, labels: Sequence[Label], max_len: int) -> list[Features]:
@@ -283,10 +286,14 @@ def packed_task_model(
     pooling: str,
     config: TrainConfig,
     packed: PackedBert | None = None,
+    *,
+    start: Mapping[str, torch.Tensor] | None = None,
+    pooled: bool = False,
 ) -> PackedTaskModel:
-    """The packed model a BitFit job trains: ``heads`` (one per run) over ``base``, the config's biases trained, at
-    the config's dropout (None: the encoder's own rates); ``packed``: a ``training_bert(base)`` shared with other
-    jobs' models, so that their rows encode together."""
+    """The packed model a BitFit job trains: ``heads`` (one per run) over ``base``, the config's biases trained
+    (from ``start``'s values where given, else the encoder's), at the config's dropout (None: the encoder's own
+    rates); ``packed``: a ``training_bert(base)`` shared with other jobs' models, so that their rows encode
+    together; ``pooled``: the model gives pooled vectors, not logits (the contrastive stage)."""
     cfg: Any = getattr(base, "config", None)
     return PackedTaskModel(
         base,
@@ -297,6 +304,8 @@ def packed_task_model(
         hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
         attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
         packed=packed,
+        start=start,
+        pooled=pooled,
     )
 
 
@@ -308,6 +317,145 @@ class _Update:
     spans: list[tuple[int, int]]
     batch: dict[str, torch.Tensor]
     run_of_row: torch.Tensor | None  # packed: each row's run
+    targets: torch.Tensor | None = None  # the contrastive stage: each pair's target cosine
+
+
+def _part(model: TaskModel | PackedTaskModel, u: _Update) -> Part:
+    """An update's rows as a ``joint_forward`` part (packed models only)."""
+    assert isinstance(model, PackedTaskModel)
+    b = u.batch
+    return model, b["input_ids"], b["attention_mask"], b["token_type_ids"], u.run_of_row
+
+
+def contrastive_pairs(labels: Sequence[int], rounds: int, rng: random.Random) -> list[tuple[int, int, float]]:
+    """SetFit's pairs for rows labelled ``labels``: each round pairs every row with another row of its label
+    (target cosine 1.0; itself where its label has no other row) and with a row of another label (0.0; a label
+    drawn first, then a row of it, so rare labels meet as often as common ones), all shuffled. (row, row, target)
+    triples; no negatives where every row has one label."""
+    rows_of: dict[int, list[int]] = {}
+    for i, label in enumerate(labels):
+        rows_of.setdefault(label, []).append(i)
+    pairs: list[tuple[int, int, float]] = []
+    for _ in range(rounds):
+        for i, label in enumerate(labels):
+            same = rows_of[label]
+            j = rng.choice(same) if len(same) == 1 else rng.choice([k for k in same if k != i])
+            pairs.append((i, j, 1.0))
+            others = [other for other in rows_of if other != label]
+            if others:
+                pairs.append((i, rng.choice(rows_of[rng.choice(others)]), 0.0))
+    rng.shuffle(pairs)
+    return pairs
+
+
+class _ContrastiveStage:
+    """A BitFit job's first stage on classification data, before its runs: the biases trained on SetFit's objective
+    (Tunstall et al., 2022) -- the cosine of two rows' pooled vectors learns 1 for rows of one label and 0 for rows
+    of two (``contrastive_pairs``), by mean squared error -- with no head, at the job's learning rate, warm-up and
+    decay, CONTRASTIVE_PAIRS_PER_UPDATE pairs (twice as many rows) an update. Every run then starts from the tuned
+    biases (``results()``), so the head learns on vectors that already group the labels. It runs on the packed
+    model, as one more run group would: its rows can share a ``joint_forward`` with other jobs' runs."""
+
+    stage = "contrastive"
+
+    def __init__(self, job: PatchTraining, rounds: int) -> None:
+        config = job.config
+        assert config.lr is not None, "pass config.resolved()"
+        self.job, self.config = job, config
+        self.device = device = resolve_device(config.device)
+        base, shared = job.encoder.model, job.packed_bert
+        if next(base.parameters()).device != device:
+            base, shared = copy.deepcopy(base).to(device), None
+        unused = nn.Linear(job.encoder.hidden_size, 1)  # a packed model has a head; the stage reads pooled vectors
+        self.model = packed_task_model(base, [unused], job.kind, job.pooling, config, shared, pooled=True)
+        self.params = self.model.run_biases_of(0)
+        labels = [int(f.label) for f in job.train_f]  # type: ignore[arg-type]
+        self.pairs = contrastive_pairs(labels, rounds, random.Random(config.seed))
+        self.rounds = rounds
+        self.total = math.ceil(len(self.pairs) / CONTRASTIVE_PAIRS_PER_UPDATE)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        warmup = int(config.warmup_ratio * self.total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(self.total, warmup))
+        self.bar = tqdm(
+            total=self.total,
+            desc=f"{config.task} contrastive",
+            disable=not sys.stderr.isatty(),
+            leave=False,
+            dynamic_ncols=True,
+        )
+        self.model.train()
+        self.step, self.running = 0, 0.0
+        self.t0 = self.last_report = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total
+
+    def next_update(self) -> _Update:
+        """The next pairs: their first rows, then their second rows, and the pairs' target cosines."""
+        chunk = self.pairs[self.step * CONTRASTIVE_PAIRS_PER_UPDATE : (self.step + 1) * CONTRASTIVE_PAIRS_PER_UPDATE]
+        feats = self.job.train_f
+        rows = [feats[i] for i, _, _ in chunk] + [feats[j] for _, j, _ in chunk]
+        batch = collate(rows, self.job.pad_id, self.job.kind, self.device)
+        targets = torch.tensor([t for _, _, t in chunk], device=self.device)
+        run_of_row = torch.zeros(len(rows), dtype=torch.long)
+        return _Update([], [(0, len(rows))], batch, run_of_row, targets)
+
+    def part(self, u: _Update) -> Part:
+        return _part(self.model, u)
+
+    def forward(self, u: _Update) -> torch.Tensor:
+        raise AssertionError("the contrastive stage trains packed only")
+
+    def losses(self, pooled: torch.Tensor, u: _Update) -> list[torch.Tensor]:
+        """The pairs' loss: the mean squared error of their vectors' cosines against the targets."""
+        assert u.targets is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        n = u.targets.shape[0]
+        cosine = nn.functional.cosine_similarity(pooled[:n].float(), pooled[n:].float())
+        return [nn.functional.mse_loss(cosine, u.targets)]
+
+    def apply(self, u: _Update, losses: list[torch.Tensor]) -> None:
+        """After the backward: step the optimizer and report progress (``"stage": "contrastive"``)."""
+        config, job = self.config, self.job
+        torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        value = losses[0].item()
+        self.running = 0.9 * self.running + 0.1 * value if self.step else value
+        self.step += 1
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{self.running:.4f}")
+        now = time.perf_counter()
+        if job.on_progress is not None and (now - self.last_report >= job.progress_every_s or self.done):
+            self.last_report = now
+            job.on_progress(
+                {
+                    "stage": "contrastive",
+                    "step": self.step,
+                    "total_steps": self.total,
+                    "loss": self.running,
+                    "dev": None,
+                    "seed": config.seed,
+                    "lr": config.lr,
+                    "runs": 1,
+                    "active_runs": 1,
+                }
+            )
+
+    def results(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(the tuned biases by name, what the report shows of the stage)."""
+        self.bar.close()
+        tuned = {name: p.detach().clone() for name, p in zip(self.model.trained, self.params, strict=True)}
+        shown = {
+            "rounds": self.rounds,
+            "pairs": len(self.pairs),
+            "steps": self.step,
+            "pairs_per_update": CONTRASTIVE_PAIRS_PER_UPDATE,
+            "loss": self.running,
+            "seconds": time.perf_counter() - self.t0,
+        }
+        return tuned, shown
 
 
 class _RunGroup:
@@ -316,6 +464,8 @@ class _RunGroup:
     best dev checkpoint -- or with ``checkpoint="last"`` the final one -- which ``results()`` puts in the model.
 
     The job's config is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
+
+    stage: str | None = None  # the runs themselves (TrainingStopped names any other stage)
 
     def __init__(
         self,
@@ -341,9 +491,10 @@ class _RunGroup:
             base, shared = encoder.model, job.packed_bert
             if next(base.parameters()).device != device:
                 base, shared = copy.deepcopy(base).to(device), None
-            self.model = packed_task_model(base, heads, kind, job.pooling, config, shared)
+            self.model = packed_task_model(base, heads, kind, job.pooling, config, shared, start=job.start)
             groups = [self.model.run_parameters(r) for r in range(len(specs))]
         else:
+            assert job.start is None, "the contrastive stage trains packed only"
             self.model = TaskModel(copy.deepcopy(encoder.model), heads[0], kind, job.pooling).to(device)
             if config.dropout is not None:
                 _set_dropout(self.model.encoder, config.dropout)
@@ -401,9 +552,7 @@ class _RunGroup:
 
     def part(self, u: _Update) -> Part:
         """The update's rows as a ``joint_forward`` part (packed groups only)."""
-        assert isinstance(self.model, PackedTaskModel)
-        b = u.batch
-        return self.model, b["input_ids"], b["attention_mask"], b["token_type_ids"], u.run_of_row
+        return _part(self.model, u)
 
     def forward(self, u: _Update) -> torch.Tensor:
         """The padded model's logits (a packed group's rows go through ``joint_forward``, as its ``part``)."""
@@ -587,33 +736,59 @@ class PatchTraining:
         merge = config.restarts_merge_for(len(train))
         if restarts > 1:
             self.restarts_why += f", {'averaged into one patch' if merge == 'average' else 'the best dev score kept'}"
-        self.config = config = replace(
-            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge
-        )
-        self.checkpoint: str = checkpoint
-        assert config.lr is not None
         unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(encoder.model)
         if packed and unsupported:
             raise ValueError(f"packed training is not possible: {unsupported}")
         self.packed = unsupported is None if packed is None else packed
+        rounds = config.contrastive_for(kind, len(train))
+        self.contrastive_why = (
+            f"set: contrastive={rounds}"
+            if config.contrastive is not None
+            else f"automatic: {len(train)} training rows of {kind} are "
+            + (f"under {SMALL_DATA_ROWS}, so {rounds} rounds" if rounds else "no small classification set, so none")
+        )
+        if rounds and not self.packed:
+            if config.contrastive is not None:
+                why = unsupported or "packed=False"
+                raise ValueError(
+                    f"the contrastive stage trains on the packed model, which is off here ({why}); set contrastive to 0"
+                )
+            rounds, self.contrastive_why = 0, "automatic: none, since the packed model is off here"
+        self.config = config = replace(
+            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge, contrastive=rounds
+        )
+        self.checkpoint: str = checkpoint
+        assert config.lr is not None
+        # the contrastive stage trains first, where there is one; its tuned biases are where every run starts
+        self._stage_rounds = rounds
+        self.start: dict[str, torch.Tensor] | None = None
+        self.contrastive: dict[str, Any] | None = None  # what the report shows of the stage
         self.packed_bert = packed_bert if self.packed else None
         self.lrs = config.lr_search or [config.lr]
         specs = [(lr, config.seed + r) for lr in self.lrs for r in range(restarts)]
         self._queued = [specs] if self.packed else [[spec] for spec in specs]  # run groups still to train
-        self._group: _RunGroup | None = None
+        self._group: _RunGroup | _ContrastiveStage | None = None
         self.on_progress, self.progress_every_s, self.should_stop = on_progress, progress_every_s, should_stop
         self._models: list[TaskModel | PackedTaskModel] = []  # the model of each run
         self._runs: list[dict[str, Any]] = []
 
-    def group(self) -> _RunGroup | None:
-        """The run group that trains now (None: every run has trained). Padded training trains its runs one after
-        another, each its own group."""
+    def group(self) -> _RunGroup | _ContrastiveStage | None:
+        """The stage that trains now (None: every run has trained): the contrastive stage where there is one, then
+        the run groups. Padded training trains its runs one after another, each its own group."""
         while self._group is None or self._group.done:
-            if self._group is not None:
+            if isinstance(self._group, _ContrastiveStage):
+                self.start, self.contrastive = self._group.results()
+                self._group = None
+            elif self._group is not None:
                 results = self._group.results()
                 self._models += [self._group.model] * len(results)
                 self._runs += results
                 self._group = None
+            if self._stage_rounds:
+                self._group, self._stage_rounds = _ContrastiveStage(self, self._stage_rounds), 0
+                if self._group.total:
+                    continue
+                self._group = None  # no pairs (one label): no stage
             if not self._queued:
                 return None
             self._group = _RunGroup(self, self._queued.pop(0), self.packed)
@@ -679,6 +854,8 @@ class PatchTraining:
                 "restarts": config.restarts,
                 "restarts_why": self.restarts_why,
                 "restarts_merge": config.restarts_merge,
+                "contrastive": config.contrastive,
+                "contrastive_why": self.contrastive_why,
                 "checkpoint": self.checkpoint,
                 "checkpoint_why": self.checkpoint_why,
                 "learning_rates": self.lrs,
@@ -692,6 +869,8 @@ class PatchTraining:
         }
         if merged is not None:
             report["merged"] = merged
+        if self.contrastive is not None:
+            report["contrastive"] = self.contrastive
         source = merged[best_index] if merged is not None else shown_runs[best_index]
         report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
@@ -715,7 +894,8 @@ class PatchTraining:
                 k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params", "metric")
             }
             | {"restarts": config.restarts}
-            | ({"restarts_merge": "average"} if merged is not None else {}),
+            | ({"restarts_merge": "average"} if merged is not None else {})
+            | ({"contrastive": config.contrastive} if self.contrastive is not None else {}),
         )
         patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
         return TrainResult(patch, report, model)
@@ -778,7 +958,7 @@ class JointTrainer:
         """One update of every job; returns the jobs that left, each with None (every run trained: call
         ``finish()``) or what ended it (TrainingStopped when its ``should_stop`` said so, or the error)."""
         ended: dict[int, tuple[PatchTraining, Exception | None]] = {}
-        live: list[tuple[int, _RunGroup, _Update]] = []
+        live: list[tuple[int, _RunGroup | _ContrastiveStage, _Update]] = []
         for i, t in enumerate(self.trainings):
             try:
                 group = t.group()
@@ -786,11 +966,11 @@ class JointTrainer:
                     ended[i] = (t, None)
                     continue
                 if t.should_stop():
-                    raise TrainingStopped(group.step, group.total)
+                    raise TrainingStopped(group.step, group.total, group.stage)
                 live.append((i, group, group.next_update()))
             except Exception as exc:
                 ended[i] = (t, exc)
-        together: dict[Any, list[tuple[int, _RunGroup, _Update]]] = {}
+        together: dict[Any, list[tuple[int, _RunGroup | _ContrastiveStage, _Update]]] = {}
         for item in live:
             model = item[1].model
             key = model.joint_key() if isinstance(model, PackedTaskModel) else ("alone", item[0])
