@@ -38,14 +38,6 @@ from trainer.train import train_patch
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 SETS = ("rotten_tomatoes", "trec", "stsb", "banking77", "brown_pos")
-# each set's task kind (what the data files give the trainer): settings that depend on it resolve by it
-SET_KINDS = {
-    "rotten_tomatoes": "classification",
-    "trec": "classification",
-    "stsb": "regression",
-    "banking77": "classification",
-    "brown_pos": "token-classification",
-}
 MODES = {"bitfit": {"bias_subset": "all"}, "bitfit-qi": {"bias_subset": "query-intermediate"}, "full": {"full": True}}
 
 
@@ -81,17 +73,14 @@ def default_settings(mode: str) -> dict[str, Any]:
     return settings(TrainConfig(task="quality", **MODES[mode]))  # type: ignore[arg-type]
 
 
-def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float, kind: str) -> dict[str, Any]:
-    """Settings as they acted on a run with these row counts, of this task kind: an unset ``restarts`` is what it
-    resolves to there (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny
-    dev set), an unset ``contrastive`` too (rounds on small classification data), and an unset ``metric`` is the
-    kind's default. Runs recorded before a setting existed ran as its old behaviour: no ``checkpoint`` kept the
-    best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best restart, no ``contrastive``
-    had no contrastive stage. Where one run trained, ``restarts_merge`` did nothing and is left out."""
-    out = dict(run_settings)
-    if out.get("contrastive") is None:
-        resolver = replace(RESOLVER, full=bool(out.get("full")))
-        out["contrastive"] = resolver.contrastive_for(kind, train_rows) if "contrastive" in out else 0  # type: ignore[arg-type]
+def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float) -> dict[str, Any]:
+    """Settings as they acted on a run with these row counts: an unset ``restarts`` is what it resolves to there
+    (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
+    unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
+    no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
+    restart, no ``contrastive`` had no contrastive stage. Where one run trained, ``restarts_merge`` did nothing and
+    is left out."""
+    out = {"contrastive": 0} | run_settings
     if "restarts_merge" not in out:
         out["restarts_merge"] = "best"
     elif out["restarts_merge"] is None:
@@ -112,14 +101,13 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
 RESOLVER = TrainConfig(task="quality")  # resolves an unset restarts / checkpoint exactly as the trainer does
 
 
-def run_rows(run: dict) -> tuple[float, float, str]:
-    """(training rows, dev rows, task kind) of a recorded run: few-sample runs carve 10% of their rows as dev; the
-    quality table's sets are all large."""
-    kind = SET_KINDS[run["set"]]
+def run_rows(run: dict) -> tuple[float, float]:
+    """(training rows, dev rows) of a recorded run: few-sample runs carve 10% of their rows as dev; the quality
+    table's sets are all large."""
     if "rows" in run:
         dev = max(1, round(0.1 * run["rows"]))
-        return run["rows"] - dev, dev, kind
-    return float(run.get("train_rows") or math.inf), float(run.get("dev_rows") or math.inf), kind
+        return run["rows"] - dev, dev
+    return float(run.get("train_rows") or math.inf), float(run.get("dev_rows") or math.inf)
 
 
 def is_current(run: dict) -> bool:
@@ -178,10 +166,10 @@ def add_run_arguments(ap: argparse.ArgumentParser, records: str, example: str) -
 
 
 def already_run(
-    runs_file: Path, wanted: dict[str, Any], row_counts: tuple[float, float, str], device: torch.device, **key: Any
+    runs_file: Path, wanted: dict[str, Any], row_counts: tuple[float, float], device: torch.device, **key: Any
 ) -> bool:
-    """Whether ``runs_file`` holds a run trained as ``wanted`` trains on ``row_counts`` (training rows, dev rows,
-    task kind), on this kind of device, with these fields (set, seed..)."""
+    """Whether ``runs_file`` holds a run trained as ``wanted`` trains on ``row_counts`` (training, dev) rows, on this
+    kind of device, with these fields (set, seed..)."""
     goal = as_trained(wanted, *row_counts)
     return any(
         "settings" in r and as_trained(r["settings"], *row_counts) == goal for r in recorded(runs_file, device, **key)
@@ -375,7 +363,7 @@ def main() -> None:
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                 wanted = settings(config)
-                rows = (len(splits.train), len(splits.dev), splits.train.kind)
+                rows = (len(splits.train), len(splits.dev))
                 if already_run(runs_file, wanted, rows, device, set=ds, mode=mode, seed=seed):
                     continue
                 t0 = time.perf_counter()

@@ -80,10 +80,7 @@ MAX_RUNS = 100  # restarts x learning rates
 # (`restarts_merge`; docs/few-sample.md measures it).
 SMALL_DATA_ROWS = 1000
 SMALL_DATA_RESTARTS = 3
-# On small classification data a BitFit job first trains its biases contrastively (SetFit's objective, biases
-# only): CONTRASTIVE_ROUNDS rounds, each pairing every training row with a row of its label and a row of another,
-# CONTRASTIVE_PAIRS_PER_UPDATE pairs an update (`contrastive`; docs/few-sample.md measures it).
-CONTRASTIVE_ROUNDS = 8
+# The contrastive stage (``contrastive`` rounds, opt-in) trains this many pairs an update.
 CONTRASTIVE_PAIRS_PER_UPDATE = 16
 # A dev set this small scores in steps of several points (26 rows: 4 points, a standard error near 9), too coarse
 # to rank the checkpoints of one run: with no `checkpoint` given, such a run keeps its last checkpoint, not its best.
@@ -142,8 +139,8 @@ class TrainConfig:
     # rounds of contrastive bias training before the runs (BitFit on classification only): each round pairs every
     # training row with one row of its label (cosine 1) and one of another label (cosine 0), and the biases learn
     # those cosines of the pooled vectors, as SetFit tunes its body; every run then starts from the tuned biases.
-    # 0: none. None: CONTRASTIVE_ROUNDS on small classification data (under SMALL_DATA_ROWS rows), else 0
-    contrastive: Annotated[int, Field(ge=0, le=1000)] | None = None
+    # 0: none (8 rounds at 256 rows scored level with none on the sets' own dev splits, docs/few-sample.md)
+    contrastive: Annotated[int, Field(ge=0, le=1000)] = 0
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -206,25 +203,19 @@ class TrainConfig:
             return self.restarts_merge
         return "average" if self.restarts is None and train_rows < SMALL_DATA_ROWS else "best"
 
-    def contrastive_for(self, kind: str, train_rows: int) -> int:
-        """Rounds of contrastive bias training on ``train_rows`` rows of ``kind``: ``contrastive``, or when unset
-        CONTRASTIVE_ROUNDS for BitFit on small classification data, where it scored better on the sets' own dev
-        splits (docs/few-sample.md), else 0. A set ``contrastive`` on another kind is a JobError."""
-        if self.contrastive is not None:
-            if self.contrastive and kind != "classification":
-                raise JobError(
-                    f"training config: contrastive pairs rows by their label, so it needs classification, not {kind}; "
-                    "set contrastive to 0"
-                )
-            return self.contrastive
-        small = train_rows < SMALL_DATA_ROWS
-        return CONTRASTIVE_ROUNDS if small and kind == "classification" and not self.full else 0
+    def contrastive_rounds(self, kind: str) -> int:
+        """Rounds of the contrastive stage for a task of ``kind``; a JobError where there are some and ``kind`` has
+        no labels to pair rows by (checked before any training)."""
+        if self.contrastive and kind != "classification":
+            raise JobError(
+                f"training config: contrastive pairs rows by their label, so it needs classification, not {kind}; "
+                "set contrastive to 0"
+            )
+        return self.contrastive
 
-    def contrastive_steps(self, kind: str | None, train_rows: int) -> int:
-        """Updates of the contrastive stage on ``train_rows`` rows (of ``kind``; None: as if classification, the
-        most it can be): two pairs a row a round."""
-        rounds = self.contrastive_for(kind or "classification", train_rows)
-        return math.ceil(rounds * 2 * train_rows / CONTRASTIVE_PAIRS_PER_UPDATE)
+    def contrastive_steps(self, train_rows: int) -> int:
+        """Updates of the contrastive stage on ``train_rows`` rows: two pairs a row a round."""
+        return math.ceil(self.contrastive * 2 * train_rows / CONTRASTIVE_PAIRS_PER_UPDATE)
 
     def runs(self, train_rows: int) -> int:
         """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""
@@ -310,11 +301,10 @@ class JobLimits:
     max_updates: int = 100_000  # optimizer updates over all of a job's runs (restarts x learning rates)
     max_seconds: float = 24 * 3600.0  # wall-clock time a worker gives one job before stopping it
 
-    def check(self, config: TrainConfig, train_rows: int, kind: str | None = None) -> None:
-        """A JobError when ``config`` on ``train_rows`` rows (of ``kind``; None: as if classification, the most its
-        contrastive stage can cost) would make more updates than ``max_updates``."""
+    def check(self, config: TrainConfig, train_rows: int) -> None:
+        """A JobError when ``config`` on ``train_rows`` rows would make more updates than ``max_updates``."""
         per_run, runs = config.planned_steps(train_rows), config.runs(train_rows)
-        contrastive = config.contrastive_steps(kind, train_rows)
+        contrastive = config.contrastive_steps(train_rows)
         total = per_run * runs + contrastive
         if total > self.max_updates:
             stage = f" + {contrastive} contrastive" if contrastive else ""

@@ -54,9 +54,9 @@ async def submit_job(
     Gate.from_dict(gate)
     # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
     splits = await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
-    svc.settings.job_limits.check(checked, len(splits.train), splits.train.kind)
+    svc.settings.job_limits.check(checked, len(splits.train))
     checked.selection_metric(splits.train.kind, splits.train.labels)  # entity_f1 on tags that are not BIO...
-    checked.contrastive_for(splits.train.kind, len(splits.train))  # ...or contrastive on tags or scores
+    checked.contrastive_rounds(splits.train.kind)  # ...or contrastive on tags or scores
     job = await run_in_threadpool(queue.submit, raw, files, gate)
     return job.to_dict()
 

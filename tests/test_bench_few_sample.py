@@ -76,33 +76,26 @@ def test_averaged_runs_are_compared_with_the_restart_their_dev_would_have_kept(t
     ) in text
     best_before = default_settings("bitfit")  # a run recorded before restarts could be averaged kept the best
     del best_before["restarts_merge"]
-    rt = {"set": "rotten_tomatoes", "mode": "bitfit"}
-    assert differences(rt | {"rows": 256, "settings": best_before}) == "restarts_merge=best"
-    assert differences(rt | {"rows": 2560, "settings": best_before}) == "today's defaults"  # 1 run
+    assert differences({"mode": "bitfit", "rows": 256, "settings": best_before}) == "restarts_merge=best"
+    assert differences({"mode": "bitfit", "rows": 2560, "settings": best_before}) == "today's defaults"  # 1 run
 
 
 def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
     # a quality-table run (a large set) recorded with restarts=1 and no checkpoint, metric or restarts_merge ran as
     # today's defaults do there; a 256-row run recorded the same way did not (today: 3 seeds and the last checkpoint)
     old = default_settings("bitfit") | {"restarts": 1}
-    del old["checkpoint"], old["metric"], old["restarts_merge"], old["contrastive"]
-    rt = {"set": "rotten_tomatoes", "mode": "bitfit"}
-    assert is_current(rt | {"settings": old})
-    # (before contrastive existed, no run had a contrastive stage: small classification data has one today)
-    assert differences(rt | {"rows": 256, "settings": old}) == "restarts=1, contrastive=0, checkpoint=best"
-    assert differences(rt | {"set": "stsb", "rows": 256, "settings": old}) == "restarts=1, checkpoint=best"
-    assert is_current(rt | {"rows": 256, "settings": default_settings("bitfit")})
-    # an unset contrastive is what it resolved to for the run's rows and kind
-    before = default_settings("bitfit") | {"contrastive": 0}
-    assert differences(rt | {"rows": 256, "settings": before}) == "contrastive=0"
-    assert differences(rt | {"rows": 2560, "settings": before}) == "today's defaults"  # large data: none either way
-    assert differences(rt | {"set": "brown_pos", "rows": 256, "settings": before}) == "today's defaults"  # tags
+    del old["checkpoint"], old["metric"], old["restarts_merge"], old["contrastive"]  # (no stage before it existed)
+    assert is_current({"mode": "bitfit", "settings": old})
+    assert differences({"mode": "bitfit", "rows": 256, "settings": old}) == "restarts=1, checkpoint=best"
+    assert is_current({"mode": "bitfit", "rows": 256, "settings": default_settings("bitfit")})
+    stage = default_settings("bitfit") | {"contrastive": 8}
+    assert differences({"mode": "bitfit", "rows": 256, "settings": stage}) == "contrastive=8"
 
 
 def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys):
     runs_file, today, cpu = tmp_path / "runs.jsonl", default_settings("bitfit"), torch.device("cpu")
     seen: list[list[dict]] = []
-    small = (230, 26, "classification")  # 256 rows: training and carved dev; the kind
+    small = (230, 26)  # 256 rows: training and carved dev
     assert not already_run(runs_file, today, small, cpu, set="trec", rows=256, seed=0)  # no file yet
     record_run({"set": "trec", "rows": 256, "seed": 0, "settings": today}, cpu, "shared", runs_file, seen.append)
     rec = json.loads(runs_file.read_text())
@@ -116,19 +109,19 @@ def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(
 
 
 def test_the_contrastive_stage_is_compared_with_none_on_the_same_draws(tmp_path):
-    today, without = default_settings("bitfit"), default_settings("bitfit") | {"contrastive": 0}
+    today, stage = default_settings("bitfit"), default_settings("bitfit") | {"contrastive": 8}
     run = {"set": "trec", "rows": 256, "mode": "bitfit", "metric": "accuracy", "device": "cpu", "seconds": 60}
     runs = [
-        run | {"seed": 0, "test": 0.92, "heldout": 0.88, "dev": 0.9, "settings": today},
-        run | {"seed": 1, "test": 0.90, "heldout": 0.86, "dev": 0.9, "settings": today},
-        run | {"seed": 2, "test": 0.99, "heldout": 0.99, "dev": 0.9, "settings": today},  # no draw to pair with
-        run | {"seed": 0, "test": 0.91, "heldout": 0.864, "dev": 0.9, "settings": without},
-        run | {"seed": 1, "test": 0.91, "heldout": 0.87, "dev": 0.9, "settings": without},
+        run | {"seed": 0, "test": 0.92, "heldout": 0.88, "dev": 0.9, "settings": stage},
+        run | {"seed": 1, "test": 0.90, "heldout": 0.86, "dev": 0.9, "settings": stage},
+        run | {"seed": 2, "test": 0.99, "heldout": 0.99, "dev": 0.9, "settings": stage},  # no draw to pair with
+        run | {"seed": 0, "test": 0.91, "heldout": 0.864, "dev": 0.9, "settings": today},
+        run | {"seed": 1, "test": 0.91, "heldout": 0.87, "dev": 0.9, "settings": today},
     ]
     write_table(runs, tmp_path / "t.md", "cmd")
     text = (tmp_path / "t.md").read_text()
-    assert "| trec | 256 | bitfit | contrastive=0 | 91.0 ± 0.0 | 86.7 ± 0.4 |" in text
+    assert "| trec | 256 | bitfit | contrastive=8 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
     assert (
-        "- trec, 256 rows, bitfit (cpu): the contrastive stage (today's default) against none, same draws: "
+        "- trec, 256 rows, bitfit (cpu): contrastive=8 against none, same draws: "
         "set's dev +0.3 (per draw: +1.6, -1.0); test +0.0 (per draw: +1.0, -1.0)"
     ) in text

@@ -55,7 +55,6 @@ def _config(**kw) -> TrainConfig:
         "pooling": "mean",
         "restarts": 1,  # one seed unless a test is about restarts (small data would get 3)
         "checkpoint": "best",  # these dev sets are tiny: by default they would keep the last checkpoint
-        "contrastive": 0,  # no contrastive stage unless a test is about it (small classification data gets one)
     }
     return TrainConfig(**(base | kw))
 
@@ -429,15 +428,12 @@ def test_small_data_restarts_automatically_and_the_report_says_why(tmp_path, tin
 def test_job_limits_count_the_automatic_restarts():
     limits = JobLimits(max_updates=1500)
     limits.check(TrainConfig(task="t"), 2000)  # 2,000 rows: 1 run of 10 epochs x 125 updates
-    # 100 rows: 3 automatic restarts, and on classification (or an unknown kind) the contrastive stage's
-    # 8 rounds x 2 pairs a row / 16 pairs an update
-    with pytest.raises(JobError, match=r"1900 updates \(3 run\(s\) x 600 \+ 100 contrastive\)"):
+    with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\), over"):  # 100 rows: 3 automatic restarts
         limits.check(TrainConfig(task="t"), 100)
-    with pytest.raises(JobError, match=r"1900 updates"):
-        limits.check(TrainConfig(task="t"), 100, "classification")
-    with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\), over"):  # no stage for scores
-        limits.check(TrainConfig(task="t"), 100, "regression")
     limits.check(TrainConfig(task="t", restarts=1), 100)
+    # a contrastive stage's updates count too: 8 rounds x 100 rows x 2 pairs / 16 pairs an update
+    with pytest.raises(JobError, match=r"1900 updates \(3 run\(s\) x 600 \+ 100 contrastive\)"):
+        limits.check(TrainConfig(task="t", contrastive=8), 100)
 
 
 def test_a_tie_on_dev_keeps_the_later_checkpoint(tmp_path, tiny_encoder):
@@ -627,7 +623,7 @@ def test_the_contrastive_stage_tunes_the_biases_every_run_then_starts_from(tmp_p
         "loss": 0,
         "seconds": 0,
     }
-    assert report["selection"]["contrastive"] == 8 and report["selection"]["contrastive_why"] == "set: contrastive=8"
+    assert report["selection"]["contrastive"] == 8
     assert result.patch is not None and result.patch.meta.training["contrastive"] == 8
     stage = [p for p in seen if p.get("stage") == "contrastive"]
     assert stage[-1]["step"] == stage[-1]["total_steps"] == 64 and stage[0]["step"] == 1
@@ -640,36 +636,22 @@ def test_the_contrastive_stage_tunes_the_biases_every_run_then_starts_from(tmp_p
     assert loss < 0.6 * loss_before and gap > gap_before + 0.05  # rows of one label closer than rows of two
 
 
-def test_the_contrastive_default_is_small_classification_data_on_the_packed_model(tmp_path, tiny_encoder):
-    config = TrainConfig(task="t")
-    assert [config.contrastive_for(k, 999) for k in ("classification", "regression", "token-classification")] == [
-        8,
-        0,
-        0,
-    ]
-    assert config.contrastive_for("classification", 1000) == 0  # large data: none
-    assert TrainConfig(task="t", full=True).contrastive_for("classification", 10) == 0
-    assert TrainConfig(task="t", contrastive=3).contrastive_for("classification", 5000) == 3
+def test_the_contrastive_stage_is_opt_in_and_refused_where_it_cannot_run(tmp_path, tiny_encoder):
+    assert TrainConfig(task="t").contrastive == 0 and TrainConfig(task="t").contrastive_rounds("regression") == 0
+    assert TrainConfig(task="t", contrastive=3).contrastive_rounds("classification") == 3
     with pytest.raises(JobError, match="needs classification, not regression; set contrastive to 0"):
-        TrainConfig(task="t", contrastive=3).contrastive_for("regression", 10)
+        TrainConfig(task="t", contrastive=3).contrastive_rounds("regression")
     with pytest.raises(JobError, match="contrastive trains biases only"):
         TrainConfig(task="t", full=True, contrastive=2)
     with pytest.raises(JobError, match="needs classification"):
         TrainConfig(task="t", kind="regression", contrastive=2)
     train, dev = _data(tmp_path, "classification", 32, 8)
-    small = train_patch(tiny_encoder, train, dev, _config(min_steps=4, contrastive=None))
-    assert small.report["contrastive"]["rounds"] == 8 and small.report["contrastive"]["steps"] == 32
-    why = small.report["selection"]["contrastive_why"]
-    assert why == "automatic: 32 training rows of classification are under 1000, so 8 rounds"
-    scores, scores_dev = _data(tmp_path, "regression", 32, 8)
-    regression = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=4, contrastive=None))
-    assert "contrastive" not in regression.report and regression.report["selection"]["contrastive"] == 0
-    # the padded model has no stage: by default none, asked for an error
-    padded = train_patch(tiny_encoder, train, dev, _config(min_steps=4, contrastive=None), packed=False)
-    assert "contrastive" not in padded.report
-    assert padded.report["selection"]["contrastive_why"] == "automatic: none, since the packed model is off here"
+    default = train_patch(tiny_encoder, train, dev, _config(min_steps=4))
+    assert "contrastive" not in default.report and default.report["selection"]["contrastive"] == 0
+    assert "contrastive" not in default.patch.meta.training
     with pytest.raises(ValueError, match="trains on the packed model, which is off here"):
         train_patch(tiny_encoder, train, dev, _config(contrastive=2), packed=False)
+    scores, scores_dev = _data(tmp_path, "regression", 32, 8)
     with pytest.raises(JobError, match="needs classification"):
         train_patch(tiny_encoder, scores, scores_dev, _config(contrastive=2))
 
@@ -689,7 +671,7 @@ def test_cli_train_takes_contrastive_and_refuses_it_where_rows_have_no_label(tmp
     argv += ["--restarts", "1", "--out", str(tmp_path / "sent.safetensors")]
     assert main([*argv, "--train", str(rows), "--contrastive", "1"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["selection"]["contrastive"] == 1 and summary["selection"]["contrastive_why"] == "set: contrastive=1"
+    assert summary["selection"]["contrastive"] == 1
     assert Patch.read(tmp_path / "sent.safetensors").meta.training["contrastive"] == 1
     scores = write_jsonl(tmp_path / "scores.jsonl", synthetic_rows("regression", 40, seed=1))
     assert main([*argv, "--train", str(scores), "--contrastive", "2"]) == 1

@@ -37,7 +37,6 @@ CONFIG = {
     "device": "cpu",
     "patience": 100,
     "restarts": 1,  # one seed: these tests are about the queue (small data would train 3)
-    "contrastive": 0,  # and no contrastive stage (small classification data would get one)
 }
 
 

@@ -5,9 +5,9 @@ Follows the few-sample practices of Zhang et al. (ICLR 2021): bias-corrected Ada
 train long enough, dev evaluation with early stopping and best-checkpoint restore (a tie goes to the later
 checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
 the best dev score of the task's selection metric (``TrainConfig.selection_metric``); on small data the restarts are
-averaged into one patch. On small classification data a contrastive stage comes first (``_ContrastiveStage``:
-SetFit's pair objective, biases only), and every run starts from its biases. ``full=True`` fine-tunes every weight
-of the same encoder for comparison and returns a report only.
+averaged into one patch. With ``contrastive`` rounds a contrastive stage comes first on classification data
+(``_ContrastiveStage``: SetFit's pair objective, biases only), and every run starts from its biases.
+``full=True`` fine-tunes every weight of the same encoder for comparison and returns a report only.
 
 BitFit on a BERT encoder trains on the serving engine's packed model (``patches/packed_model.py``): no padding
 reaches a matrix product, and a job's restarts and learning-rate candidates train together in one batch, each row
@@ -740,22 +740,14 @@ class PatchTraining:
         if packed and unsupported:
             raise ValueError(f"packed training is not possible: {unsupported}")
         self.packed = unsupported is None if packed is None else packed
-        rounds = config.contrastive_for(kind, len(train))
-        self.contrastive_why = (
-            f"set: contrastive={rounds}"
-            if config.contrastive is not None
-            else f"automatic: {len(train)} training rows of {kind} are "
-            + (f"under {SMALL_DATA_ROWS}, so {rounds} rounds" if rounds else "no small classification set, so none")
-        )
+        rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
-            if config.contrastive is not None:
-                why = unsupported or "packed=False"
-                raise ValueError(
-                    f"the contrastive stage trains on the packed model, which is off here ({why}); set contrastive to 0"
-                )
-            rounds, self.contrastive_why = 0, "automatic: none, since the packed model is off here"
+            why = unsupported or "packed=False"
+            raise ValueError(
+                f"the contrastive stage trains on the packed model, which is off here ({why}); set contrastive to 0"
+            )
         self.config = config = replace(
-            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge, contrastive=rounds
+            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge
         )
         self.checkpoint: str = checkpoint
         assert config.lr is not None
@@ -855,7 +847,6 @@ class PatchTraining:
                 "restarts_why": self.restarts_why,
                 "restarts_merge": config.restarts_merge,
                 "contrastive": config.contrastive,
-                "contrastive_why": self.contrastive_why,
                 "checkpoint": self.checkpoint,
                 "checkpoint_why": self.checkpoint_why,
                 "learning_rates": self.lrs,

@@ -327,9 +327,9 @@ class Worker:
             config.device = self.device
         try:
             train, dev, test = self._datasets(job, config)
-            self.limits.check(config, len(train), train.kind)  # a job queued past the server meets it here
+            self.limits.check(config, len(train))  # a job queued past the server (patchserve submit) meets it here
             config.selection_metric(train.kind, train.labels)
-            config.contrastive_for(train.kind, len(train))  # contrastive on tags or scores...
+            config.contrastive_rounds(train.kind)  # contrastive on tags or scores...
         except DataError as exc:
             return "failed", {"error": f"bad data: {exc}"}
         except JobError as exc:
