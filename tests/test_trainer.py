@@ -570,6 +570,10 @@ def test_contrastive_pairs_pair_each_row_with_its_label_and_another():
         else:
             assert target == 0.0 and labels[j] != labels[i]
     assert pairs == contrastive_pairs(labels, 2, random.Random(0)) != contrastive_pairs(labels, 2, random.Random(1))
+    many = contrastive_pairs(labels, 50, random.Random(0))  # every other row of a label is drawn, never itself
+    assert {j for i, j, t in many if i == 0 and t == 1.0} == {1, 2}
+    assert {j for i, j, t in many if i == 1 and t == 1.0} == {0, 2}
+    assert {j for i, j, t in many if i == 0 and t == 0.0} == {3, 4, 5}
     assert all(t == 1.0 for _, _, t in contrastive_pairs([3, 3, 3], 1, random.Random(0)))  # one label: no negatives
 
 

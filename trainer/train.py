@@ -333,17 +333,23 @@ def contrastive_pairs(labels: Sequence[int], rounds: int, rng: random.Random) ->
     drawn first, then a row of it, so rare labels meet as often as common ones), all shuffled. (row, row, target)
     triples; no negatives where every row has one label."""
     rows_of: dict[int, list[int]] = {}
+    place = []  # each row's place among its label's rows
     for i, label in enumerate(labels):
-        rows_of.setdefault(label, []).append(i)
+        place.append(len(rows_of.setdefault(label, [])))
+        rows_of[label].append(i)
+    others = {label: [other for other in rows_of if other != label] for label in rows_of}
     pairs: list[tuple[int, int, float]] = []
     for _ in range(rounds):
         for i, label in enumerate(labels):
             same = rows_of[label]
-            j = rng.choice(same) if len(same) == 1 else rng.choice([k for k in same if k != i])
+            if len(same) == 1:
+                j = i
+            else:  # any other row of the label, uniformly: draw among len - 1 places, skipping its own
+                k = rng.randrange(len(same) - 1)
+                j = same[k + (k >= place[i])]
             pairs.append((i, j, 1.0))
-            others = [other for other in rows_of if other != label]
-            if others:
-                pairs.append((i, rng.choice(rows_of[rng.choice(others)]), 0.0))
+            if others[label]:
+                pairs.append((i, rng.choice(rows_of[rng.choice(others[label])]), 0.0))
     rng.shuffle(pairs)
     return pairs
 
