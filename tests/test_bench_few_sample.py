@@ -14,6 +14,12 @@ from patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
 
 
+def _table(runs: list[dict], tmp_path) -> str:
+    """The few-sample table of ``runs``, as ``write_table`` writes it."""
+    write_table(runs, tmp_path / "t.md", "cmd")
+    return (tmp_path / "t.md").read_text()
+
+
 def test_a_seed_draws_the_same_rows_and_keeps_the_whole_label_set(tmp_path):
     full = load_dataset(write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 100, seed=1)))
     a, b, c = sample(full, 10, 0), sample(full, 10, 0), sample(full, 10, 1)
@@ -39,8 +45,7 @@ def test_table_groups_runs_by_settings_and_lists_notes(tmp_path):
         | {"seed": 0, "test": 0.8, "dev": 0.9, "steps": 150, "best_step": 30, "seconds": 30, "note": "old schedule"}
         | {"settings": today | {"eval_every": 3}},
     ]
-    write_table(runs, tmp_path / "t.md", "cmd")
-    text = (tmp_path / "t.md").read_text()
+    text = _table(runs, tmp_path)
     # first seed alone: 90 and 92; seeds' mean per run: 85 and 94
     row = "| trec | 256 | bitfit | today's defaults | 91.0 ± 1.4 | 86.0 ± 1.4 | 96.0 | 91.0 ± 1.4 | 89.5 ± 6.4 |"
     assert row + " 600 / 600 | 250 | 2 | 1.0 | cpu |" in text
@@ -66,8 +71,7 @@ def test_averaged_runs_are_compared_with_the_restart_their_dev_would_have_kept(t
         | {"seed": 1, "test": 0.70, "heldout": 0.75, "dev": 0.8, "restarts": restarts}
         | {"merged": [{"seeds": [1, 2, 3], "dev": 0.8, "test": 0.70, "heldout": 0.75}]},
     ]
-    write_table(runs, tmp_path / "t.md", "cmd")
-    text = (tmp_path / "t.md").read_text()
+    text = _table(runs, tmp_path)
     # on 256 rows the average is today's default (the restarts are automatic there)
     assert "| rotten_tomatoes | 256 | bitfit | today's defaults | 72.5 ± 3.5 | 74.5 ± 0.7 |" in text
     assert (
@@ -118,8 +122,7 @@ def test_the_contrastive_stage_is_compared_with_none_on_the_same_draws(tmp_path)
         run | {"seed": 0, "test": 0.91, "heldout": 0.864, "dev": 0.9, "settings": today},
         run | {"seed": 1, "test": 0.91, "heldout": 0.87, "dev": 0.9, "settings": today},
     ]
-    write_table(runs, tmp_path / "t.md", "cmd")
-    text = (tmp_path / "t.md").read_text()
+    text = _table(runs, tmp_path)
     assert "| trec | 256 | bitfit | contrastive=8 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
     assert (
         "- trec, 256 rows, bitfit (cpu): contrastive=8 against none, same draws: "
