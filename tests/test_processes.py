@@ -216,15 +216,24 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path, tiny_bert_dir, registr
         def ask() -> None:
             answers.append(_predict(server.base, "sent", big))
 
-        def batches() -> float:
+        def metric(name: str) -> float:
             text = httpx.get(f"{server.base}/metrics", timeout=10).text
-            return float(re.search(r"patchserve_batch_rows_count ([0-9.e+]+)", text).group(1))
+            return float(re.search(rf"^{name} ([0-9.e+]+)", text, re.MULTILINE).group(1))
 
-        start = batches()
+        def accepted() -> float:  # rows the engine has taken: one a batch done (batches of one row), or queued
+            return metric("patchserve_batch_rows_count") - start + metric("patchserve_queue_rows")
+
+        start = metric("patchserve_batch_rows_count")
         threads = [threading.Thread(target=ask) for _ in range(4)]
         for t in threads:
             t.start()
-        _until(lambda: batches() > start + 20, 30, "the requests to be running")
+        # every request in flight (on a loaded machine a thread's request can still be on its way after 20
+        # batches: refused with 503 once the server drains, as it should be), and work done on them
+        _until(
+            lambda: accepted() >= 4 * 256 - 1 and metric("patchserve_batch_rows_count") > start + 20,
+            60,
+            "the requests to be running",
+        )
         assert any(t.is_alive() for t in threads)
         os.killpg(server.proc.pid, signal.SIGTERM)
         for t in threads:
