@@ -235,14 +235,7 @@ def main() -> None:
                     config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                     wanted = settings(config)
                     if already_run(
-                        runs_file,
-                        wanted,
-                        run_rows({"rows": size}),
-                        device,
-                        set=ds,
-                        rows=size,
-                        mode=mode,
-                        seed=seed,
+                        runs_file, wanted, run_rows({"rows": size}), device, set=ds, rows=size, mode=mode, seed=seed
                     ):
                         continue
                     train, dev = split_dev(sample(full, size, seed), seed=seed)

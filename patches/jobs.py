@@ -156,14 +156,12 @@ class TrainConfig:
             (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
             (not (self.full and self.contrastive), "contrastive trains biases only; drop it or full"),
-            (
-                not self.contrastive or self.kind in (None, "classification"),
-                "contrastive pairs rows by their label, so it needs classification; set contrastive to 0",
-            ),
         ]
         for ok, msg in checks:
             if not ok:
                 raise JobError(f"training config: {msg}")
+        if self.kind in KINDS:
+            self.contrastive_rounds(self.kind)
 
     def selection_metric(self, kind: str, labels: Sequence[Label]) -> str:
         """The dev metric that chooses checkpoints and restarts for a task of ``kind`` with these labels (tags):
@@ -202,6 +200,13 @@ class TrainConfig:
         if self.restarts_merge is not None:
             return self.restarts_merge
         return "average" if self.restarts is None and train_rows < SMALL_DATA_ROWS else "best"
+
+    def check_task(self, kind: str, labels: Sequence[Label]) -> None:
+        """A JobError where this config cannot train a task of ``kind`` with these labels (tags): a metric that
+        cannot score it, or a contrastive stage without labels to pair rows by. The server, the CLI and the worker
+        ask before any training."""
+        self.selection_metric(kind, labels)
+        self.contrastive_rounds(kind)
 
     def contrastive_rounds(self, kind: str) -> int:
         """Rounds of the contrastive stage for a task of ``kind``; a JobError where there are some and ``kind`` has

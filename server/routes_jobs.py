@@ -55,8 +55,7 @@ async def submit_job(
     # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
     splits = await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
     svc.settings.job_limits.check(checked, len(splits.train))
-    checked.selection_metric(splits.train.kind, splits.train.labels)  # entity_f1 on tags that are not BIO...
-    checked.contrastive_rounds(splits.train.kind)  # ...or contrastive on tags or scores
+    checked.check_task(splits.train.kind, splits.train.labels)  # entity_f1 on tags that are not BIO, contrastive...
     job = await run_in_threadpool(queue.submit, raw, files, gate)
     return job.to_dict()
 

@@ -184,7 +184,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
     if warning := splits.untrained_warning():
         print(warning, file=sys.stderr)
-    config.contrastive_rounds(train.kind)  # contrastive on tags or scores: an error now, not after loading
+    config.check_task(train.kind, train.labels)  # a metric or a stage the data cannot take: now, not after loading
     # Everything the end of the run needs is checked before it starts, so no training is thrown away.
     out = None if args.full or (args.registry_given and not args.out) else Path(args.out or f"{args.task}.safetensors")
     for role, target in (("--out", out), ("--report", Path(args.report) if args.report else None)):
@@ -339,8 +339,7 @@ def _submit(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     checked = TrainConfig.from_dict(config)
     splits = job_splits(files, kind=checked.kind, seed=checked.seed)  # bad data is refused here, not later in a worker
-    checked.selection_metric(splits.train.kind, splits.train.labels)  # and a metric that cannot score it
-    checked.contrastive_rounds(splits.train.kind)  # or contrastive on tags or scores
+    checked.check_task(splits.train.kind, splits.train.labels)  # and a metric that cannot score it...
     gate = {"min_dev": args.min_dev, "not_worse": args.not_worse}
     job = JobQueue(_queue_url(args), min_replicas=args.redis_min_replicas).submit(config, files, gate)
     print(json.dumps({"id": job.id, "task": job.task, "status": job.status}))

@@ -369,9 +369,7 @@ class _ContrastiveStage:
         assert config.lr is not None, "pass config.resolved()"
         self.job, self.config = job, config
         self.device = device = resolve_device(config.device)
-        base, shared = job.encoder.model, job.packed_bert
-        if next(base.parameters()).device != device:
-            base, shared = copy.deepcopy(base).to(device), None
+        base, shared = job.packed_base(device)
         unused = nn.Linear(job.encoder.hidden_size, 1)  # a packed model has a head; the stage reads pooled vectors
         self.model = packed_task_model(base, [unused], job.kind, job.pooling, config, shared, pooled=True)
         self.params = self.model.run_biases_of(0)
@@ -494,9 +492,7 @@ class _RunGroup:
         self.model: TaskModel | PackedTaskModel
         groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
         if packed:
-            base, shared = encoder.model, job.packed_bert
-            if next(base.parameters()).device != device:
-                base, shared = copy.deepcopy(base).to(device), None
+            base, shared = job.packed_base(device)
             self.model = packed_task_model(base, heads, kind, job.pooling, config, shared, start=job.start)
             groups = [self.model.run_parameters(r) for r in range(len(specs))]
         else:
@@ -766,9 +762,21 @@ class PatchTraining:
         specs = [(lr, config.seed + r) for lr in self.lrs for r in range(restarts)]
         self._queued = [specs] if self.packed else [[spec] for spec in specs]  # run groups still to train
         self._group: _RunGroup | _ContrastiveStage | None = None
+        self._moved: nn.Module | None = None  # the encoder copied to the training device (packed_base)
         self.on_progress, self.progress_every_s, self.should_stop = on_progress, progress_every_s, should_stop
         self._models: list[TaskModel | PackedTaskModel] = []  # the model of each run
         self._runs: list[dict[str, Any]] = []
+
+    def packed_base(self, device: torch.device) -> tuple[nn.Module, PackedBert | None]:
+        """The encoder the job's packed models read on ``device``, and the ``training_bert`` they share with other
+        jobs: the job's own encoder, or one copy of it moved to ``device`` (made once, for the contrastive stage
+        and the runs alike; the copy shares no training_bert)."""
+        base = self.encoder.model
+        if next(base.parameters()).device == device:
+            return base, self.packed_bert
+        if self._moved is None:  # (a job trains on one device)
+            self._moved = copy.deepcopy(base).to(device)
+        return self._moved, None
 
     def group(self) -> _RunGroup | _ContrastiveStage | None:
         """The stage that trains now (None: every run has trained): the contrastive stage where there is one, then
@@ -782,11 +790,9 @@ class PatchTraining:
                 self._models += [self._group.model] * len(results)
                 self._runs += results
                 self._group = None
-            if self._stage_rounds:
+            if self._stage_rounds:  # (every row makes a pair a round: the stage has updates)
                 self._group, self._stage_rounds = _ContrastiveStage(self, self._stage_rounds), 0
-                if self._group.total:
-                    continue
-                self._group = None  # no pairs (one label): no stage
+                continue
             if not self._queued:
                 return None
             self._group = _RunGroup(self, self._queued.pop(0), self.packed)
@@ -872,7 +878,7 @@ class PatchTraining:
         report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
         del models, chosen  # the other runs' models
-        self._models = []
+        self._models, self._moved = [], None
         if config.full:
             return TrainResult(None, report, model)
         metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}

@@ -328,8 +328,7 @@ class Worker:
         try:
             train, dev, test = self._datasets(job, config)
             self.limits.check(config, len(train))  # a job queued past the server (patchserve submit) meets it here
-            config.selection_metric(train.kind, train.labels)
-            config.contrastive_rounds(train.kind)  # contrastive on tags or scores...
+            config.check_task(train.kind, train.labels)
         except DataError as exc:
             return "failed", {"error": f"bad data: {exc}"}
         except JobError as exc:
