@@ -78,9 +78,9 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
     (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
     unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
-    restart, no ``contrastive`` had no contrastive stage. Where one run trained, ``restarts_merge`` did nothing and
-    is left out."""
-    out = {"contrastive": 0} | run_settings
+    restart, no ``contrastive`` had no contrastive stage, no ``scales`` trained biases only. Where one run trained,
+    ``restarts_merge`` did nothing and is left out."""
+    out = {"contrastive": 0, "scales": "none"} | run_settings
     if "restarts_merge" not in out:
         out["restarts_merge"] = "best"
     elif out["restarts_merge"] is None:

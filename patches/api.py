@@ -122,6 +122,9 @@ class TaskRegistered(BaseModel):
     kind: str
     labels: list[str | int]
     n_params: int
+    patch_type: str = Field(
+        "bitfit", description="`bitfit` (biases + head) or `bitfit-ln` (biases, LayerNorm gains + head)"
+    )
     base: BaseInfo
 
 

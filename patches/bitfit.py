@@ -1,5 +1,9 @@
 """Which parameters of an encoder are BitFit targets; extract a patch from a model; apply one to a model.
 
+Besides the biases, a ``bitfit-ln`` patch (opt-in, ``SCALES["layernorm"]``) also trains every LayerNorm's gain:
+like a bias, a gain is one vector per task that the engine applies per row (an elementwise multiply where a bias is
+an add), so it serves at a bias's cost.
+
 Bias *roles* follow the BitFit paper's symbols (b_q, b_k, b_v, b_m1, b_LN1, b_m2, b_m3, b_LN2, plus the embedding
 LayerNorm and pooler biases). Each architecture maps roles to Hugging Face parameter names by a naming rule, so a
 new BERT-family architecture is one entry in ``ARCH_RULES`` -- nothing else hard-codes BERT.
@@ -15,7 +19,7 @@ import torch
 from torch import nn
 
 from patches.errors import EncoderError, PatchKeysError
-from patches.format import Patch, PatchMeta
+from patches.format import PATCH_TYPE, SCALED_PATCH_TYPE, Patch, PatchMeta
 
 _L = r"encoder\.layer\.(\d+)\."
 _BERT_ROLES = {
@@ -59,6 +63,10 @@ BIAS_SUBSETS: dict[str, tuple[str, ...] | None] = {
 }
 
 
+#: what a patch trains besides biases: "none" (BitFit) or "layernorm" (every LayerNorm gain too), by patch type
+SCALES: dict[str, str] = {"none": PATCH_TYPE, "layernorm": SCALED_PATCH_TYPE}
+
+
 @dataclass(frozen=True)
 class BiasRole:
     """A bias parameter's role (paper symbol) and layer index (None outside the layer stack)."""
@@ -80,6 +88,36 @@ def bias_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
 
 def bias_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in bias_parameters(encoder).items()}
+
+
+def scale_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
+    """Every LayerNorm gain of the encoder, by name (what a ``bitfit-ln`` patch trains besides the biases)."""
+    return {
+        f"{n}.weight" if n else "weight": m.weight
+        for n, m in encoder.named_modules()
+        if isinstance(m, nn.LayerNorm) and isinstance(m.weight, nn.Parameter)
+    }
+
+
+def scale_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in scale_parameters(encoder).items()}
+
+
+def patch_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
+    """Every parameter a patch can set: the biases and the LayerNorm gains."""
+    return bias_parameters(encoder) | scale_parameters(encoder)
+
+
+def scale_names(encoder: nn.Module, scales: str) -> list[str]:
+    """Names of the gains that ``scales`` (a key of ``SCALES``) trains, in the encoder's parameter order."""
+    if scales not in SCALES:
+        raise ValueError(f"unknown scales {scales!r}; choose one of {sorted(SCALES)}")
+    if scales == "none":
+        return []
+    names = list(scale_parameters(encoder))
+    if not names:
+        raise EncoderError("this encoder has no LayerNorm gains to train; use scales 'none'")
+    return names
 
 
 def _rules(encoder: nn.Module) -> dict[str, str]:
@@ -119,7 +157,8 @@ def target_names(encoder: nn.Module, subset: str) -> list[str]:
 
 
 def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: Iterable[str] | None = None) -> Patch:
-    """Build a patch from a trained model: the current values of its target biases plus the head.
+    """Build a patch from a trained model: the current values of its target biases (and, for a ``bitfit-ln``
+    ``meta.patch_type``, of every LayerNorm gain) plus the head.
 
     ``targets`` defaults to the names of ``meta.bias_subset``.
     """
@@ -129,22 +168,29 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
     missing = [n for n in names if n not in params]
     if missing:
         raise PatchKeysError(f"the model has no bias parameters {missing[:5]}")
+    gains = scale_parameters(encoder) if meta.patch_type == SCALED_PATCH_TYPE else {}
+
+    def value(p: torch.Tensor) -> torch.Tensor:
+        return p.detach().to("cpu", torch.float32).clone()
+
     return Patch(
         meta=meta,
-        biases={n: params[n].detach().to("cpu", torch.float32).clone() for n in names},
-        head_weight=head.weight.detach().to("cpu", torch.float32).clone(),
-        head_bias=head.bias.detach().to("cpu", torch.float32).clone(),
+        biases={n: value(params[n]) for n in names},
+        head_weight=value(head.weight),
+        head_bias=value(head.bias),
+        scales={n: value(p) for n, p in gains.items()},
     )
 
 
 @torch.no_grad()
-def apply_biases(model: nn.Module, biases: Mapping[str, torch.Tensor]) -> None:
-    """Copy bias values into a plain HF model in place (the reference path for tests and evaluation)."""
-    params = bias_parameters(encoder_of(model))
-    unknown = sorted(set(biases) - set(params))
+def apply_biases(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy a patch's values (biases, and LayerNorm gains for a ``bitfit-ln`` patch: ``Patch.values``) into a plain
+    HF model in place (the reference path for tests and evaluation)."""
+    params = patch_parameters(encoder_of(model))
+    unknown = sorted(set(values) - set(params))
     if unknown:
-        raise PatchKeysError(f"the model has no bias parameters {unknown[:5]}")
-    for name, value in biases.items():
+        raise PatchKeysError(f"the model has no bias or LayerNorm gain parameters {unknown[:5]}")
+    for name, value in values.items():
         params[name].copy_(value.to(params[name].device, params[name].dtype))
 
 

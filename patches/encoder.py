@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patches.bitfit import bias_shapes
+from patches.bitfit import bias_shapes, scale_shapes
 from patches.errors import EncoderError
 from patches.format import BaseSpec
 
@@ -56,9 +56,11 @@ class Encoder:
 
     @property
     def spec(self) -> BaseSpec:
-        """What this encoder accepts: its fingerprint and the shape of every bias."""
+        """What this encoder accepts: its fingerprint and the shape of every bias and LayerNorm gain."""
         if self._spec is None:
-            self._spec = BaseSpec(self.name, self.fingerprint, self.hidden_size, bias_shapes(self.model))
+            self._spec = BaseSpec(
+                self.name, self.fingerprint, self.hidden_size, bias_shapes(self.model), scale_shapes(self.model)
+            )
         return self._spec
 
 

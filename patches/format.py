@@ -4,6 +4,9 @@ This module is the ONLY place that knows tensor key names and the header layout.
 
 * ``bias.<encoder parameter name>``  float32 ``[dim]``  -- the trained value of each targeted bias
   (e.g. ``bias.encoder.layer.0.attention.self.query.bias``); untargeted biases keep the base value;
+* ``scale.<encoder parameter name>`` float32 ``[dim]`` -- only in a ``bitfit-ln`` patch: the trained gain (weight) of
+  every LayerNorm of the encoder (e.g. ``scale.encoder.layer.0.output.LayerNorm.weight``), served as a per-row
+  elementwise multiply exactly as a bias is a per-row add;
 * ``head.weight`` float32 ``[n_out, hidden]`` and ``head.bias`` float32 ``[n_out]`` -- the task head;
 * one metadata entry ``"patchserve"`` in the safetensors header: canonical JSON of :class:`PatchMeta`.
 
@@ -49,9 +52,12 @@ from patches.errors import (
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = frozenset({1})
 METADATA_KEY = "patchserve"
-PATCH_TYPE = "bitfit"
+PATCH_TYPE = "bitfit"  # biases + head (the default)
+SCALED_PATCH_TYPE = "bitfit-ln"  # biases + every LayerNorm's gain + head (opt-in: ``--scales layernorm``)
+PATCH_TYPES = (PATCH_TYPE, SCALED_PATCH_TYPE)
 FILE_SUFFIX = ".safetensors"
 BIAS_PREFIX = "bias."
+SCALE_PREFIX = "scale."
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
 DEFAULT_MAX_PATCH_BYTES = 64 * 1024 * 1024
@@ -178,6 +184,7 @@ class BaseSpec:
     fingerprint: str
     hidden_size: int
     bias_shapes: Mapping[str, tuple[int, ...]]
+    scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # every LayerNorm gain
 
 
 @dataclass
@@ -221,9 +228,10 @@ class PatchMeta:
                 f"patch format version {version!r} is not supported by this build (reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade patchserve or re-export the patch"
             )
-        if raw.get("patch_type") != PATCH_TYPE:
+        if raw.get("patch_type") not in PATCH_TYPES:
             raise PatchMetadataError(
-                f"patch type {raw.get('patch_type')!r} is not supported (only {PATCH_TYPE!r}); upgrade patchserve"
+                f"patch type {shown(raw.get('patch_type'))} is not supported (this build reads {list(PATCH_TYPES)}); "
+                "upgrade patchserve"
             )
         names = {f for f in cls.__dataclass_fields__}
         unknown, missing = (
@@ -303,13 +311,16 @@ class Patch:
     """A task's BitFit patch: trained bias values, a linear head and metadata.
 
     ``biases`` maps encoder parameter names (``encoder.layer.0.attention.self.query.bias``) to ``[dim]`` float32;
-    ``head_weight`` is ``[n_out, hidden]`` and ``head_bias`` ``[n_out]``.
+    ``head_weight`` is ``[n_out, hidden]`` and ``head_bias`` ``[n_out]``. ``scales`` (a ``bitfit-ln`` patch only,
+    else empty) maps the names of the encoder's LayerNorm gains (``encoder.layer.0.output.LayerNorm.weight``) to
+    their trained ``[dim]`` values.
     """
 
     meta: PatchMeta
     biases: dict[str, torch.Tensor]
     head_weight: torch.Tensor
     head_bias: torch.Tensor
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.meta.validate()
@@ -322,6 +333,9 @@ class Patch:
         tensors = {
             BIAS_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.biases.items()
         }
+        tensors.update(
+            {SCALE_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.scales.items()}
+        )
         tensors[HEAD_WEIGHT] = self.head_weight.detach().to("cpu", torch.float32).contiguous()
         tensors[HEAD_BIAS] = self.head_bias.detach().to("cpu", torch.float32).contiguous()
         return st_save(tensors, metadata={METADATA_KEY: self.meta.to_json()})
@@ -333,8 +347,14 @@ class Patch:
 
     @property
     def n_params(self) -> int:
-        """Number of values the patch carries (biases + head)."""
-        return sum(t.numel() for t in self.biases.values()) + self.head_weight.numel() + self.head_bias.numel()
+        """Number of values the patch carries (biases + scales + head)."""
+        vectors = sum(t.numel() for t in [*self.biases.values(), *self.scales.values()])
+        return vectors + self.head_weight.numel() + self.head_bias.numel()
+
+    @property
+    def values(self) -> dict[str, torch.Tensor]:
+        """Every encoder parameter the patch sets (its biases and its scales), by the encoder's parameter name."""
+        return self.biases | self.scales
 
     # --- (de)serialisation -------------------------------------------------------------------------------
     @classmethod
@@ -360,14 +380,18 @@ class Patch:
         for key in (HEAD_WEIGHT, HEAD_BIAS):
             if key not in tensors:
                 raise PatchKeysError(f"patch lacks the tensor {key!r}; re-export the patch")
-        unknown = sorted(k for k in tensors if k not in (HEAD_WEIGHT, HEAD_BIAS) and not k.startswith(BIAS_PREFIX))
+        prefixes = (BIAS_PREFIX, SCALE_PREFIX)
+        unknown = sorted(k for k in tensors if k not in (HEAD_WEIGHT, HEAD_BIAS) and not k.startswith(prefixes))
         if unknown:
             raise PatchKeysError(
                 f"patch has unknown tensor keys {unknown[:5]}; a patch holds only '{BIAS_PREFIX}<param>', "
-                f"{HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
+                f"'{SCALE_PREFIX}<param>', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
             )
         biases = {k[len(BIAS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(BIAS_PREFIX)}
-        return cls(meta=meta, biases=biases, head_weight=tensors[HEAD_WEIGHT], head_bias=tensors[HEAD_BIAS])
+        scales = {k[len(SCALE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SCALE_PREFIX)}
+        return cls(
+            meta=meta, biases=biases, head_weight=tensors[HEAD_WEIGHT], head_bias=tensors[HEAD_BIAS], scales=scales
+        )
 
     @classmethod
     def read(cls, path: str | Path, *, max_bytes: int = DEFAULT_MAX_PATCH_BYTES) -> Patch:
@@ -385,13 +409,22 @@ class Patch:
     def _check_tensors(self) -> None:
         if not self.biases:
             raise PatchKeysError("patch has no bias tensors; it would not change the encoder")
+        scaled = self.meta.patch_type == SCALED_PATCH_TYPE
+        if scaled != bool(self.scales):
+            raise PatchKeysError(
+                f"a {self.meta.patch_type!r} patch "
+                + ("needs" if scaled else "has no")
+                + f" '{SCALE_PREFIX}<param>' tensors (LayerNorm gains), this one has {len(self.scales)}; re-export it"
+            )
         named = {BIAS_PREFIX + k: v for k, v in self.biases.items()}
+        named.update({SCALE_PREFIX + k: v for k, v in self.scales.items()})
         named.update({HEAD_WEIGHT: self.head_weight, HEAD_BIAS: self.head_bias})
         for key, t in named.items():
             if t.dtype != torch.float32:
                 raise PatchShapeError(f"tensor {key!r} has dtype {t.dtype}; patches store float32")
-            if key.startswith(BIAS_PREFIX) and t.dim() != 1:
-                raise PatchShapeError(f"bias {key!r} has shape {tuple(t.shape)}; biases are 1-D")
+            if key.startswith((BIAS_PREFIX, SCALE_PREFIX)) and t.dim() != 1:
+                what = "bias" if key.startswith(BIAS_PREFIX) else "scale"
+                raise PatchShapeError(f"{what} {key!r} has shape {tuple(t.shape)}; {what}s are 1-D")
             if not bool(torch.isfinite(t).all()):
                 raise PatchValueError(
                     f"tensor {key!r} contains NaN or Inf; the training diverged -- lower the learning rate and retrain"
@@ -424,6 +457,18 @@ class Patch:
             if tuple(t.shape) != tuple(base.bias_shapes[name]):
                 raise PatchShapeError(
                     f"bias {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(base.bias_shapes[name])}"
+                )
+        unknown = sorted(set(self.scales) - set(base.scale_shapes))
+        if unknown:
+            example = next(iter(base.scale_shapes), "(none)")
+            raise PatchKeysError(
+                f"patch scales parameters that are not LayerNorm gains of this encoder: {unknown[:5]} (this "
+                f"encoder's look like {example!r})"
+            )
+        for name, t in self.scales.items():
+            if tuple(t.shape) != tuple(base.scale_shapes[name]):
+                raise PatchShapeError(
+                    f"scale {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(base.scale_shapes[name])}"
                 )
         if self.head_weight.shape[1] != base.hidden_size:
             raise PatchShapeError(

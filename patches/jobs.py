@@ -108,6 +108,9 @@ class TrainConfig:
 
     task: str
     bias_subset: str = "all"
+    # what trains besides the biases: "none" (BitFit, a "bitfit" patch) or "layernorm" (every LayerNorm's gain too,
+    # a "bitfit-ln" patch: one more per-row vector per LayerNorm, served at a bias's cost)
+    scales: Literal["none", "layernorm"] = "none"
     pooling: str | None = None  # None: the encoder's default (mean for sentence-embedding encoders)
     kind: str | None = None  # None: inferred from the data
     max_seq_length: Annotated[int, Field(ge=8, le=65536)] = 128
@@ -156,6 +159,7 @@ class TrainConfig:
             (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
             (not (self.full and self.contrastive), "contrastive trains biases only; drop it or full"),
+            (not (self.full and self.scales != "none"), "full fine-tuning trains every weight; drop scales or full"),
         ]
         for ok, msg in checks:
             if not ok:

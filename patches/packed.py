@@ -22,6 +22,12 @@ each run's bias parameters at every step (``bank_values`` is differentiable) and
 dropout is applied where BERT applies it. The folds that move a LayerNorm beta or the value bias past a dropout are
 not exact under dropout, so a training model builds its PackedBert with ``fold_value_bias=False, fold_ln_bias=False``
 (dropping the key bias stays exact: the key bias gets no gradient in the plain model either).
+
+A ``bitfit-ln`` patch also sets every LayerNorm's gain. Gains enter as *gain banks* (``emb_g``, ``{i}.g1``,
+``{i}.g2``), gathered per token like the bias banks and multiplied into the normalised values where the shared
+gain would be; the betas still fold as above (they are added after the gain). The gain banks exist only once a
+patch with gains has been loaded (``generation`` counts that, so captured graphs are dropped); until then every
+LayerNorm runs with the shared gain, and a BitFit-only server pays nothing for them.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from patches.bitfit import patch_parameters
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -202,6 +210,8 @@ class PackedBert:
                     g2=layer.output.LayerNorm.weight.detach(),
                     eps2=float(layer.output.LayerNorm.eps),
                     names={
+                        "g1": p + "attention.output.LayerNorm.weight",
+                        "g2": p + "output.LayerNorm.weight",
                         "q": p + "attention.self.query.bias",
                         "k": p + "attention.self.key.bias",
                         "v": p + "attention.self.value.bias",
@@ -216,14 +226,21 @@ class PackedBert:
         pooler = getattr(bert, "pooler", None)
         self.pooler_w: torch.Tensor | None = pooler.dense.weight.detach() if pooler is not None else None
         self.device, self.dtype = self.word.device, self.word.dtype
-        #: every bias of the encoder at its base value, float32 (what a task that does not train it gets)
-        self.base = {n: p.detach().float().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
+        #: every bias and LayerNorm gain of the encoder at its base value, float32 (what a task that does not set it
+        #: gets)
+        self.base = {n: p.detach().float().clone() for n, p in patch_parameters(model).items()}
+        self.gain_names = frozenset(
+            ["embeddings.LayerNorm.weight", *(layer.names[g] for layer in self.layers for g in ("g1", "g2"))]
+        )
+        self.gains = False  # whether the banks hold per-slot LayerNorm gains (once a patch with gains is loaded)
+        self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
         base = self.bank_values([{}])  # every slot starts as the base encoder
         self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}
 
     # --- banks ---------------------------------------------------------------------------------------------------
     def bank_values(self, tasks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Folded bank rows ``[K, D]`` (float32) of K tasks, from their biases (base values where a task has none).
+        The gain banks come too when this model holds them (``gains``) or a task sets a LayerNorm gain.
 
         The K tasks fold together: each fold through a weight is one ``[K, in] @ [in, out]`` product, so loading
         many patches at once (a cold batch, a preload) costs a few matrix products, not K matrix-vector ones."""
@@ -238,6 +255,10 @@ class PackedBert:
 
         h = self.hidden
         vals: dict[str, torch.Tensor] = {}
+        if self.gains or any(not self.gain_names.isdisjoint(t) for t in tasks):
+            vals["emb_g"] = get("embeddings.LayerNorm.weight")
+            for i, layer in enumerate(self.layers):
+                vals[f"{i}.g1"], vals[f"{i}.g2"] = get(layer.names["g1"]), get(layer.names["g2"])
         carry = get("embeddings.LayerNorm.bias")  # the beta of the LayerNorm in front, not yet added
         if not self.fold_ln_bias:
             vals["emb_ln"] = carry
@@ -275,8 +296,20 @@ class PackedBert:
     def write_slots(self, slots: Sequence[int], tasks: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Fold ``tasks``' biases and write them into bank rows ``slots`` (one per task)."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        for k, v in self.bank_values(tasks).items():
+        values = self.bank_values(tasks)
+        if not self.gains and "emb_g" in values:  # the first patch with gains: every slot gets gain banks
+            self._add_gain_banks()
+        for k, v in values.items():
             self.banks[k].index_copy_(0, index, v.to(self.dtype))
+
+    def _add_gain_banks(self) -> None:
+        """Give every slot LayerNorm gain banks at the base gains (which the slots loaded so far keep)."""
+        n_slots = next(iter(self.banks.values())).shape[0]
+        self.gains = True
+        for k, v in self.bank_values([{}]).items():
+            if k not in self.banks:
+                self.banks[k] = v.to(self.dtype).expand(n_slots, -1).contiguous()
+        self.generation += 1
 
     @property
     def bank_bytes_per_slot(self) -> int:
@@ -315,10 +348,16 @@ class PackedBert:
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)
 
+        def norm(x: torch.Tensor, gain: torch.Tensor, name: str, eps: float) -> torch.Tensor:
+            """LayerNorm without its beta: the shared gain, or each row's own from the gain bank ``name``."""
+            if name in banks:
+                return F.layer_norm(x, (h,), None, None, eps) * bias(name)
+            return F.layer_norm(x, (h,), gain.to(x.dtype), None, eps)
+
         x = F.embedding(b.ids, self.word) + F.embedding(b.pos, self.position)
         if self.token_type is not None:
             x = x + F.embedding(b.types, self.token_type)
-        x = F.layer_norm(x, (h,), self.emb_g, None, self.emb_eps)
+        x = norm(x, self.emb_g, "emb_g", self.emb_eps)
         if "emb_ln" in banks:
             x = x + bias("emb_ln")
         x = drop(x)
@@ -326,14 +365,14 @@ class PackedBert:
             qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
             ctx = self._attend(qkv, b, attention, attention_dropout)
             y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
-            x = F.layer_norm(y + x, (h,), layer.g1, None, layer.eps1)
+            x = norm(y + x, layer.g1, f"{i}.g1", layer.eps1)
             if f"{i}.ln1" in banks:
                 x = x + bias(f"{i}.ln1")
             y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
             y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()
-            x = F.layer_norm(y + x, (h,), layer.g2.to(x.dtype), None, layer.eps2)
+            x = norm(y + x, layer.g2, f"{i}.g2", layer.eps2)
             if f"{i}.ln2" in banks:
                 x = x + bias(f"{i}.ln2")
         if "out" in banks:

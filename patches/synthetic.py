@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from patches.bitfit import base_biases, target_names
+from patches.bitfit import base_biases, scale_parameters, target_names
 from patches.encoder import Encoder
-from patches.format import BaseRef, Label, Patch, PatchMeta
+from patches.format import PATCH_TYPE, SCALED_PATCH_TYPE, BaseRef, Label, Patch, PatchMeta
 
 DEFAULT_LABELS: dict[str, list[Label]] = {
     "classification": ["negative", "positive"],
@@ -52,13 +52,17 @@ def random_patch(
     scale: float = 0.5,
     head_scale: float = 1.0,
     max_seq_length: int = 32,
+    gain_scale: float = 0.0,
 ) -> Patch:
     """A patch of ``encoder`` whose biases are the base values moved by seeded noise (std ``scale``), with a
-    seeded random head (its weights times ``head_scale``: below 1, class scores stay away from 0 and 1)."""
+    seeded random head (its weights times ``head_scale``: below 1, class scores stay away from 0 and 1).
+    ``gain_scale`` > 0 makes a ``bitfit-ln`` patch: every LayerNorm gain moved by noise of that std, too."""
     gen = torch.Generator().manual_seed(seed)
     labels = DEFAULT_LABELS[kind] if labels is None else labels
     names = target_names(encoder.model, subset)
     biases = {n: b + scale * torch.randn(b.shape, generator=gen) for n, b in base_biases(encoder.model, names).items()}
+    gains = scale_parameters(encoder.model) if gain_scale > 0 else {}
+    scales = {n: g.detach().float() + gain_scale * torch.randn(g.shape, generator=gen) for n, g in gains.items()}
     n_out = 1 if kind == "regression" else len(labels)
     meta = PatchMeta(
         task=task,
@@ -69,10 +73,12 @@ def random_patch(
         pooling=pooling,
         max_seq_length=max_seq_length,
         metrics={"dev_accuracy": 0.5},
+        patch_type=SCALED_PATCH_TYPE if scales else PATCH_TYPE,
     )
     return Patch(
         meta=meta,
         biases=biases,
         head_weight=head_scale * torch.randn(n_out, encoder.hidden_size, generator=gen),
         head_bias=torch.randn(n_out, generator=gen),
+        scales=scales,
     )

@@ -76,6 +76,7 @@ async def register(
         kind=m.kind,
         labels=m.labels,
         n_params=parsed.n_params,
+        patch_type=m.patch_type,
         base=BaseInfo(name=m.base.name, fingerprint=m.base.fingerprint),
     )
 

@@ -56,9 +56,10 @@ def reference_probs(encoder, patch, text, pair=None):
         return model(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])[0]
 
 
-def test_register_then_predict_matches_the_reference(make_client, tiny_encoder):
+@pytest.mark.parametrize("gains", [0.0, 0.3], ids=["bitfit", "bitfit-ln"])
+def test_register_then_predict_matches_the_reference(make_client, tiny_encoder, gains):
     client = make_client()
-    patch = make_patch(tiny_encoder, "sentiment", seed=3)
+    patch = make_patch(tiny_encoder, "sentiment", seed=3, gain_scale=gains)
     r = upload(client, patch)
     assert r.status_code == 201, r.text
     body = r.json()
@@ -69,6 +70,7 @@ def test_register_then_predict_matches_the_reference(make_client, tiny_encoder):
         "kind": "classification",
         "labels": ["negative", "positive"],
         "n_params": patch.n_params,
+        "patch_type": "bitfit-ln" if gains else "bitfit",
         "base": {"name": tiny_encoder.name, "fingerprint": tiny_encoder.fingerprint},
     }
     r = client.post(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,6 +65,44 @@ def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_pa
     # a task run alone gives the same as inside the mix
     alone = runner.run([rows[0]])[0]
     torch.testing.assert_close(alone, got[0], rtol=0, atol=1e-5)
+
+
+def _gain_banks(runner: Runner) -> int:
+    """How many per-slot LayerNorm gain banks the runner's engine holds."""
+    if runner.packed is not None:
+        return sum(k == "emb_g" or k.endswith((".g1", ".g2")) for k in runner.packed.banks)
+    return sum(getattr(m, "gain", None) is not None for m in runner.model.modules())
+
+
+@pytest.mark.parametrize("engine", ["packed", "slotted"])
+def test_layernorm_gain_patches_serve_exactly_beside_bias_patches(tiny_bert_dir, tiny_encoder, task_patches, engine):
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=12, engine=engine)
+    rng = random.Random(1)
+    plain_rows = [r for p in task_patches for r in _rows(tiny_encoder, p, [rng.choice(SENTENCES)])]
+    before = runner.run(plain_rows)
+    assert _gain_banks(runner) == 0  # BitFit patches alone: every LayerNorm keeps the shared gain
+    gained = [
+        make_patch(tiny_encoder, "g-sent", seed=11, gain_scale=0.3),
+        make_patch(tiny_encoder, "g-pos", seed=12, kind="token-classification", gain_scale=0.3),
+        make_patch(tiny_encoder, "g-score", seed=13, kind="regression", pooling="pooler", gain_scale=0.3),
+    ]
+    rows = []
+    for i in range(24):
+        rows += _rows(tiny_encoder, [*task_patches, *gained][i % 8], [rng.choice(SENTENCES)])
+    rng.shuffle(rows)
+    got = runner.run(rows)
+    assert _gain_banks(runner) == 1 + 2 * tiny_encoder.model.config.num_hidden_layers
+    for row, out in zip(rows, got, strict=True):
+        torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
+    # the slots loaded before the gain banks existed keep the shared gains
+    for was, now in zip(before, runner.run(plain_rows), strict=True):
+        torch.testing.assert_close(now, was, rtol=0, atol=1e-5)
+    # the gains matter: the same patch without them answers otherwise
+    row = next(r for r in rows if r.patch is gained[0])
+    without = replace(gained[0], meta=replace(gained[0].meta, patch_type="bitfit"), scales={})
+    assert (
+        _reference(tiny_encoder.model, row.patch, row) - _reference(tiny_encoder.model, without, row)
+    ).abs().max() > 1e-2
 
 
 def test_two_patches_give_different_outputs(tiny_bert_dir, tiny_encoder):

@@ -26,7 +26,7 @@ from tests.helpers import make_patch
 
 
 def _tensors(patch: Patch) -> dict[str, torch.Tensor]:
-    out = {"bias." + k: v for k, v in patch.biases.items()}
+    out = {"bias." + k: v for k, v in patch.biases.items()} | {"scale." + k: v for k, v in patch.scales.items()}
     out["head.weight"], out["head.bias"] = patch.head_weight, patch.head_bias
     return out
 
@@ -232,6 +232,45 @@ def test_compatibility_with_the_encoder(tiny_encoder):
         patch.check_compatible(replace(tiny_encoder.spec, bias_shapes=shapes))
     with pytest.raises(PatchShapeError, match="hidden size"):
         patch.check_compatible(BaseSpec(tiny_encoder.name, tiny_encoder.fingerprint, 64, tiny_encoder.spec.bias_shapes))
+
+
+def test_a_patch_with_layernorm_gains_round_trips(tiny_encoder):
+    patch = make_patch(tiny_encoder, gain_scale=0.2)
+    gains = {n for n, m in tiny_encoder.model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
+    assert patch.meta.patch_type == "bitfit-ln" and set(patch.scales) == {f"{n}.weight" for n in gains}
+    loaded = Patch.from_bytes(patch.data)
+    assert loaded.meta == patch.meta and loaded.data == patch.data and loaded.patch_id == patch.patch_id
+    assert loaded.scales.keys() == patch.scales.keys()
+    assert all(torch.equal(loaded.scales[n], patch.scales[n]) for n in patch.scales)
+    assert loaded.values == loaded.biases | loaded.scales
+    plain = make_patch(tiny_encoder)  # same seed: the same biases and head
+    assert loaded.n_params == plain.n_params + sum(t.numel() for t in patch.scales.values())
+    loaded.check_compatible(tiny_encoder.spec)
+
+
+def test_layernorm_gains_need_their_patch_type_and_fit_the_encoder(tiny_encoder):
+    patch = make_patch(tiny_encoder, gain_scale=0.2)
+    plain_meta = json.loads(patch.meta.to_json()) | {"patch_type": "bitfit"}
+    with pytest.raises(PatchKeysError, match=r"'bitfit' patch has no 'scale\.<param>' tensors"):
+        Patch.from_bytes(_raw(patch, meta=plain_meta))  # a BitFit patch may not carry gains
+    without = {k: v for k, v in _tensors(patch).items() if not k.startswith("scale.")}
+    with pytest.raises(PatchKeysError, match="'bitfit-ln' patch needs"):
+        Patch.from_bytes(_raw(patch, tensors=without))
+    with pytest.raises(PatchMetadataError, match=r"patch type 'ia3' is not supported .*upgrade"):
+        Patch.from_bytes(_raw(patch, meta=plain_meta | {"patch_type": "ia3"}))
+    name = next(iter(patch.scales))
+    with pytest.raises(PatchShapeError, match="scales are 1-D"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: torch.ones(2, 2)}))
+    poisoned = patch.scales[name].clone()
+    poisoned[0] = float("nan")
+    with pytest.raises(PatchValueError, match="NaN or Inf"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: poisoned}))
+    bias_as_gain = Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense.bias": torch.ones(32)}))
+    with pytest.raises(PatchKeysError, match="not LayerNorm gains of this encoder"):
+        bias_as_gain.check_compatible(tiny_encoder.spec)
+    short = Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: torch.ones(7)}))
+    with pytest.raises(PatchShapeError, match=r"scale .* has shape \(7,\), the encoder's has"):
+        short.check_compatible(tiny_encoder.spec)
 
 
 @pytest.mark.parametrize("name", ["sentiment", "a", "Task_1.v2-x", "9lives"])

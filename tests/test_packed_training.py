@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from patches.bitfit import bias_parameters, target_names
+from patches.bitfit import patch_parameters, scale_names, target_names
 from patches.model import TaskModel
 from patches.packed import add_exact_attention, dropout, keep_mask
 from patches.packed_model import PackedTaskModel, joint_forward, training_bert
@@ -33,21 +33,25 @@ SENTENCES = [
     "one two three four five",
 ]
 WORDS = [s.split() for s in SENTENCES]
-CASES = {  # kind, pooling, bias subset, outputs
-    "classification-mean": ("classification", "mean", "all", 3),
-    "classification-cls": ("classification", "cls", "all", 2),
-    "regression-pooler": ("regression", "pooler", "all", 1),
-    "tagging": ("token-classification", "mean", "all", 4),
-    "subset": ("classification", "mean", "query-intermediate", 3),
+CASES = {  # kind, pooling, bias subset, outputs, scales
+    "classification-mean": ("classification", "mean", "all", 3, "none"),
+    "classification-cls": ("classification", "cls", "all", 2, "none"),
+    "regression-pooler": ("regression", "pooler", "all", 1, "none"),
+    "tagging": ("token-classification", "mean", "all", 4, "none"),
+    "subset": ("classification", "mean", "query-intermediate", 3, "none"),
+    "gains-classification": ("classification", "mean", "all", 3, "layernorm"),
+    "gains-tagging": ("token-classification", "mean", "all", 4, "layernorm"),
+    "gains-pooler": ("regression", "pooler", "query-intermediate", 1, "layernorm"),
 }
 
 
 def _perturbed(encoder: nn.Module, seed: int) -> nn.Module:
-    """A copy of ``encoder`` whose biases are no longer the base ones (so every fold has something to carry)."""
+    """A copy of ``encoder`` whose biases and LayerNorm gains are no longer the base ones (so every fold has something
+    to carry, and no gain is 1)."""
     model = copy.deepcopy(encoder)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in bias_parameters(model).values():
+        for p in patch_parameters(model).values():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     return model
 
@@ -73,16 +77,16 @@ def _batch(tokenizer, kind: str, n_out: int, seed: int = 0):
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
-    kind, pooling, subset, n_out = CASES[case]
+    kind, pooling, subset, n_out, scales = CASES[case]
     encoder = _perturbed(tiny_encoder.model, seed=1)
     torch.manual_seed(0)
     head = nn.Linear(tiny_encoder.hidden_size, n_out)
-    trained = target_names(encoder, subset)
+    trained = target_names(encoder, subset) + scale_names(encoder, scales)
     padded = TaskModel(copy.deepcopy(encoder), copy.deepcopy(head), kind, pooling)
     _set_dropout(padded.encoder, 0.0)
     padded.train()
     padded.requires_grad_(False)
-    params = bias_parameters(padded.encoder)
+    params = patch_parameters(padded.encoder)
     for name in trained:
         params[name].requires_grad_(True)
     padded.head.requires_grad_(True)
@@ -96,6 +100,9 @@ def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
     loss_fn(kind, want, batch["labels"]).backward()
     loss_fn(kind, got, batch["labels"]).backward()
     biases, (head_w, head_b) = packed.run_parameters(0)
+    if scales != "none":  # every gain is trained and gets a gradient from both models
+        gains = [n for n in trained if n.endswith("LayerNorm.weight")]
+        assert gains and all(params[n].grad is not None and params[n].grad.abs().max() > 0 for n in gains)
     for name, p in zip(trained, biases, strict=True):
         # None counts as zero: the key bias gets no gradient from the packed model (it is dropped: softmax ignores
         # it) and only rounding noise from the padded one; an unused pooler gets none from either

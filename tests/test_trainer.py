@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from patches.bitfit import bias_parameters, target_names
+from patches.bitfit import bias_parameters, scale_parameters, target_names
 from patches.data import DataError, DataFile, load_dataset, load_splits, split_dev
 from patches.format import Patch
 from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
@@ -681,3 +681,59 @@ def test_cli_train_takes_contrastive_and_refuses_it_where_rows_have_no_label(tmp
     assert main([*argv, "--train", str(scores), "--contrastive", "2"]) == 1
     err = capsys.readouterr().err
     assert "needs classification, not regression; set contrastive to 0" in err and "step " not in err
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_scales_layernorm_trains_every_gain_too_and_the_patch_serves_as_trained(
+    tmp_path, tiny_bert_dir, tiny_encoder, packed
+):
+    from patches.encoder import load_encoder
+    from server.engine.runner import Row, Runner
+
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    before = {n: p.detach().clone() for n, p in tiny_encoder.model.named_parameters()}
+    result = train_patch(tiny_encoder, train, dev, _config(scales="layernorm", min_steps=20), packed=packed)
+    patch = result.patch
+    assert patch is not None and patch.meta.patch_type == "bitfit-ln" and result.report["scales"] == "layernorm"
+    gains = set(scale_parameters(tiny_encoder.model))
+    assert set(patch.scales) == gains and set(patch.biases) == set(target_names(tiny_encoder.model, "all"))
+    assert all(not torch.equal(patch.scales[n], before[n]) for n in gains), "a gain did not move"
+    assert all(torch.equal(p, before[n]) for n, p in tiny_encoder.model.named_parameters()), "input encoder touched"
+    trained = dict(result.model.encoder.named_parameters())
+    assert all(torch.equal(patch.scales[n], trained[n].detach().cpu()) for n in gains)
+    assert result.report["trainable_params"] == patch.n_params
+    # served by the engine in one batch, the patch answers as the trained model does row by row
+    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 32)
+    served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(
+        [Row(f.input_ids, f.token_type_ids, patch) for f in feats]
+    )
+    result.model.eval()
+    for f, out in zip(feats, served, strict=True):
+        ids = torch.tensor([f.input_ids])
+        with torch.no_grad():
+            want = result.model(ids, torch.ones_like(ids), torch.tensor([f.token_type_ids]))[0]
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+
+
+def test_scales_are_checked_and_refused_with_full_fine_tuning():
+    assert TrainConfig(task="t").scales == "none"
+    with pytest.raises(JobError, match="drop scales or full"):
+        TrainConfig.from_dict({"task": "t", "scales": "layernorm", "full": True})
+    with pytest.raises(JobError, match="scales"):
+        TrainConfig.from_dict({"task": "t", "scales": "ia3"})
+
+
+def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_bert_dir, capsys):
+    from patches.cli import main
+
+    rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
+    out = tmp_path / "sent.safetensors"
+    argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
+    assert main([*argv, "--restarts", "1", "--train", str(rows), "--scales", "layernorm", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["scales"] == "layernorm"
+    assert main(["inspect", "--json", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["patch_type"] == "bitfit-ln" and info["n_scale_tensors"] == 5 and info["n_bias_tensors"] == 18
+    with pytest.raises(SystemExit):
+        main([*argv, "--train", str(rows), "--scales", "ia3", "--out", str(out)])
+    assert "invalid choice: 'ia3'" in capsys.readouterr().err

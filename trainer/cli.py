@@ -15,7 +15,19 @@ from patches.cli import add_min_replicas_option, add_registry_option, add_retent
 from patches.jobs import METRIC_NAMES, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
 
-SUMMARY_KEYS = ("task", "mode", "kind", "bias_subset", "metric", "lr", "seed", "steps", "trainable_params", "seconds")
+SUMMARY_KEYS = (
+    "task",
+    "mode",
+    "kind",
+    "bias_subset",
+    "scales",
+    "metric",
+    "lr",
+    "seed",
+    "steps",
+    "trainable_params",
+    "seconds",
+)
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
@@ -31,6 +43,13 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         default="all",
         choices=["all", "query-intermediate"],
         help="which biases train: all (BitFit) or b_q + b_m2 (0.04%% of BERT-base); default all",
+    )
+    p.add_argument(
+        "--scales",
+        default="none",
+        choices=["none", "layernorm"],
+        help="what trains besides the biases: none (a bitfit patch, the default) or layernorm (every LayerNorm's "
+        "gain too: a bitfit-ln patch, 13 more vectors on MiniLM, served at a bias's cost in the same mixed batches)",
     )
     p.add_argument("--epochs", type=float, help="passes over the training data (default 10 for BitFit, 5 with --full)")
     p.add_argument(
@@ -121,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "task": args.task,
         "kind": args.kind,
         "bias_subset": args.bias_subset,
+        "scales": args.scales,
         "epochs": args.epochs,
         "min_steps": args.min_steps,
         "max_steps": args.max_steps,

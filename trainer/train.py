@@ -32,7 +32,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from patches.bitfit import bias_parameters, bias_roles, extract_patch, target_names
+from patches.bitfit import (
+    SCALES,
+    bias_parameters,
+    bias_roles,
+    extract_patch,
+    scale_names,
+    scale_parameters,
+    target_names,
+)
 from patches.data import Dataset
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
@@ -225,8 +233,9 @@ def trainable_parameters(model: TaskModel, config: TrainConfig) -> tuple[list[nn
     if config.full:
         encoder = list(model.encoder.parameters())
     else:
-        params = bias_parameters(model.encoder)
-        encoder = [params[n] for n in target_names(model.encoder, config.bias_subset)]
+        params = bias_parameters(model.encoder) | scale_parameters(model.encoder)
+        names = target_names(model.encoder, config.bias_subset) + scale_names(model.encoder, config.scales)
+        encoder = [params[n] for n in names]
     head = list(model.head.parameters())
     for p in [*encoder, *head]:
         p.requires_grad_(True)
@@ -300,7 +309,7 @@ def packed_task_model(
         heads,
         kind,
         pooling,
-        target_names(base, config.bias_subset),
+        target_names(base, config.bias_subset) + scale_names(base, config.scales),
         hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
         attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
         packed=packed,
@@ -837,6 +846,7 @@ class PatchTraining:
             "kind": self.kind,
             "mode": "full" if config.full else "bitfit",
             "bias_subset": None if config.full else config.bias_subset,
+            "scales": None if config.full else config.scales,
             "pooling": self.pooling,
             "labels": self.labels,
             "encoder": {"name": encoder.name, "fingerprint": encoder.fingerprint},
@@ -889,6 +899,7 @@ class PatchTraining:
             labels=self.labels if self.kind != "regression" else [],
             base=BaseRef(encoder.name, encoder.fingerprint),
             bias_subset=config.bias_subset,
+            patch_type=SCALES[config.scales],
             pooling=self.pooling,
             max_seq_length=self.max_len,
             text_pair=train.is_pair,

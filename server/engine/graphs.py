@@ -3,7 +3,8 @@
 The task mix is data (each token's slot index, each row's slot and pooling mode live in the static buffer), so one
 graph serves any mix of tasks, and a batch costs one host-to-device copy (from pinned memory, not blocking), one
 graph replay and one device-to-host copy, instead of hundreds of kernel launches. A graph is captured the first
-time its bucket is used; growing the head bank (a task with more labels than any before) drops them all.
+time its bucket is used; growing the head bank (a task with more labels than any before) or adding the LayerNorm
+gain banks (the first ``bitfit-ln`` patch) drops them all.
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ class GraphSet:
         size = layout_size(self.buckets[-1], max_rows)
         self.static = torch.zeros(size, dtype=torch.int32, device=packed.device)
         self._graphs: dict[int, _Graph] = {}
-        self._generation = heads.generation
+        self._generation = self.generation
         self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def generation(self) -> tuple[int, int]:
+        """Changes when the tensors the graphs read are replaced: the head bank grew, or gain banks were added."""
+        return self.heads.generation, self.packed.generation
 
     def bucket(self, n_tokens: int, n_rows: int) -> int | None:
         """The smallest bucket that holds the batch, or None (run it eagerly)."""
@@ -92,9 +98,9 @@ class GraphSet:
     def run(self, n: int, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy ``staging`` (an n-token layout) into the static inputs, without blocking, and replay bucket ``n``.
         Returns its static outputs: read them (on the stream) before the next replay."""
-        if self.heads.generation != self._generation:
+        if self.generation != self._generation:
             self._graphs.clear()
-            self._generation = self.heads.generation
+            self._generation = self.generation
         g = self._graphs.get(n)
         if g is None:
             g = self._graphs[n] = self._capture(n)

@@ -229,6 +229,7 @@ def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions:
         device=str(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
         slots=runner.slots.capacity,
+        scale_shapes={name: list(shape) for name, shape in spec.scale_shapes.items()},
     )
 
 

@@ -36,7 +36,7 @@ from patches.packed import (
 from server.engine.graphs import GraphSet
 from server.engine.protocol import BASE_KEY
 from server.engine.slots import SlotManager
-from server.engine.slotted import install_slots, write_slot
+from server.engine.slotted import SlottedLayerNorm, install_slots, write_slot
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,9 @@ class Runner:
         if self.packed is not None:
             heads = self.head_bank.weight[0].nbytes + self.head_bank.bias[0].nbytes
             return self.packed.bank_bytes_per_slot + heads
-        return sum(site.bank[0].nbytes for site in self.sites.values() if site.bank is not None)
+        gains = [m.gain for m in self.model.modules() if isinstance(m, SlottedLayerNorm) and m.gain is not None]
+        banks = [site.bank for site in self.sites.values() if site.bank is not None]
+        return sum(bank[0].nbytes for bank in [*banks, *gains])
 
     def _drop_graphs(self, exc: Exception) -> None:
         log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)
@@ -205,12 +207,12 @@ class Runner:
         t0 = time.perf_counter()
         try:
             if self.packed is not None:
-                self.packed.write_slots([slot for slot, _ in items], [p.biases for _, p in items])
+                self.packed.write_slots([slot for slot, _ in items], [p.values for _, p in items])
                 for slot, patch in items:
                     self.head_bank.write(slot, patch.head_weight, patch.head_bias)
             else:
                 for slot, patch in items:
-                    write_slot(self.sites, slot, patch.biases)
+                    write_slot(self.sites, slot, patch.biases, patch.scales)
                     w = patch.head_weight.to(self.device, self.dtype)
                     b = patch.head_bias.to(self.device, self.dtype)
                     self.heads[slot] = (w, b)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patches.bitfit import bias_roles
-from patches.errors import EncoderError
+from patches.errors import EncoderError, PatchKeysError
 
 
 class SlotIndex:
@@ -55,18 +55,30 @@ class SlottedLinear(nn.Module):
 
 
 class SlottedLayerNorm(nn.Module):
-    """LayerNorm without its bias, then the row's task bias added by gather."""
+    """LayerNorm without its bias, then the row's task bias added by gather. Once a patch with LayerNorm gains
+    (``bitfit-ln``) is loaded, the gain too is the row's own: ``gain`` [S, D], multiplied in by gather."""
 
-    def __init__(self, ln: nn.LayerNorm, index: SlotIndex, bank: torch.Tensor) -> None:
+    def __init__(self, ln: nn.LayerNorm, index: SlotIndex, bank: torch.Tensor, gain_name: str) -> None:
         super().__init__()
         self.weight = ln.weight
         self.normalized_shape = ln.normalized_shape
         self.eps = ln.eps
         self.index = index
         self.bank = bank  # [S, D]
+        self.gain_name = gain_name  # the gain's parameter name, as patches name it
+        self.gain: torch.Tensor | None = None  # [S, D] once a patch with gains is loaded
+
+    def add_gain_bank(self) -> None:
+        """Every slot gets its own gain, the shared one to begin with (the slots loaded so far keep it)."""
+        if self.gain is None:
+            self.gain = self.weight.detach().unsqueeze(0).repeat(self.bank.shape[0], 1).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
+        if self.gain is None:
+            y = F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
+        else:
+            y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+            y = y * self.index.gather(self.gain, y)
         return y + self.index.gather(self.bank, y)
 
 
@@ -119,7 +131,7 @@ def install_slots(
         new: nn.Module
         if isinstance(mod, nn.LayerNorm):
             assert bank is not None
-            new = SlottedLayerNorm(mod, index, bank)
+            new = SlottedLayerNorm(mod, index, bank, f"{mod_name}.weight")
         else:
             new = SlottedLinear(mod, index, bank)
         parent, leaf = _parent(model, mod_name)
@@ -144,8 +156,24 @@ def _folded(site: BiasSite, sites: Mapping[str, BiasSite], b_o: torch.Tensor, b_
 
 
 @torch.no_grad()
-def write_slot(sites: Mapping[str, BiasSite], slot: int, biases: Mapping[str, torch.Tensor]) -> None:
-    """Load a task's biases into ``slot`` of every bank (base values where the task has none)."""
+def write_slot(
+    sites: Mapping[str, BiasSite],
+    slot: int,
+    biases: Mapping[str, torch.Tensor],
+    scales: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Load a task's biases (and LayerNorm gains) into ``slot`` of every bank (base values where it has none)."""
+    norms = {m.gain_name: m for m in (s.module for s in sites.values()) if isinstance(m, SlottedLayerNorm)}
+    scales = scales or {}
+    unknown = sorted(set(scales) - set(norms))
+    if unknown:
+        raise PatchKeysError(f"this engine has no LayerNorm with a bias for the gains {unknown[:5]}")
+    for norm in norms.values():
+        if scales:
+            norm.add_gain_bank()
+        if norm.gain is not None:
+            value = scales.get(norm.gain_name)
+            norm.gain[slot].copy_(norm.weight if value is None else value.to(norm.gain.device, norm.gain.dtype))
     for site in sites.values():
         if not site.served or site.bank is None:
             continue
