@@ -12,7 +12,10 @@ every iteration so drift hits all alike:
 * plain: the Hugging Face model as shipped (its default attention, padded batch) with one task's head -- what a
   single-task server does, the baseline;
 * naive: copy one task's biases into that model and run that task's rows, task after task;
-* engine: the runner, every row with its own task's biases and head in one forward.
+* engine: the runner, every row with its own task's biases and head in one forward;
+* engine_ln: a second runner whose tasks are ``bitfit-ln`` patches (the same biases and heads, plus every
+  LayerNorm's gain), so every row also multiplies in its own gains: what the opt-in patch kind costs to serve
+  (``ratio_ln_vs_engine``, its time over the engine's).
 
 Times are medians over the iterations (host tensors in, host logits out, device synchronised); the engine is also
 timed pipelined, as the server's batcher runs it (the next batch launched before the previous one is finished).
@@ -49,7 +52,7 @@ from patches.synthetic import random_patch
 from server.engine.runner import Row, Runner
 
 OUT = ROOT / "docs" / "benchmarks"
-PATHS = ("plain", "naive", "engine")
+PATHS = ("plain", "naive", "engine", "engine_ln")
 
 
 class Paths:
@@ -78,8 +81,17 @@ class Paths:
             p.patch_id: (p.head_weight.to(self.device, self.dtype), p.head_bias.to(self.device, self.dtype))
             for p in self.patches
         }
+        self.runner_ln = Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
+        self.ln_of = {  # each task's bitfit-ln twin: the same seed, so the same biases and head, plus gains
+            p.patch_id: random_patch(
+                self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, gain_scale=0.05
+            )
+            for i, p in enumerate(self.patches)
+        }
+        self._ln_rows: dict[int, list[Row]] = {}
         for i in range(0, n_tasks, 128):  # every task resident: the steady state, not slot loading
             self.runner.run([Row([101, 102], [0, 0], p) for p in self.patches[i : i + 128]])
+            self.runner_ln.run([Row([101, 102], [0, 0], self.ln_of[p.patch_id]) for p in self.patches[i : i + 128]])
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -126,8 +138,21 @@ class Paths:
     def run_engine(self, rows: list[Row]) -> None:
         self.runner.run(rows)
 
+    def run_engine_ln(self, rows: list[Row]) -> None:
+        ln_rows = self._ln_rows.get(id(rows))
+        if ln_rows is None:  # built on the untimed first pass over a batch
+            ln_rows = self._ln_rows[id(rows)] = [
+                Row(r.input_ids, r.token_type_ids, self.ln_of[r.key], r.output) for r in rows
+            ]
+        self.runner_ln.run(ln_rows)
+
     def fns(self) -> dict[str, Callable[[list[Row]], None]]:
-        return {"plain": self.run_plain, "naive": self.run_naive, "engine": self.run_engine}
+        return {
+            "plain": self.run_plain,
+            "naive": self.run_naive,
+            "engine": self.run_engine,
+            "engine_ln": self.run_engine_ln,
+        }
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
         """ATen ops (CPU) or host-side launches -- kernels, graph launches, copies -- (CUDA) of one call."""
@@ -175,7 +200,7 @@ def measure(
         for name in PATHS:
             fns[name](rows)
     for i, rows in enumerate(batches):
-        order = list(PATHS[i % 3 :] + PATHS[: i % 3])
+        order = list(PATHS[i % len(PATHS) :] + PATHS[: i % len(PATHS)])
         for name in order:
             paths.sync()
             t0 = time.perf_counter()
@@ -202,9 +227,11 @@ def measure(
         "rows_per_s_engine_pipelined": round(batch / pipelined, 1),
         "ratio_vs_plain": round(med["plain"] / med["engine"], 3),
         "ratio_vs_naive": round(med["naive"] / med["engine"], 3),
+        "ratio_ln_vs_engine": round(med["engine_ln"] / med["engine"], 3),
         "ops_engine": paths.count_ops(paths.run_engine, rows),
         "ops_plain": paths.count_ops(paths.run_plain, rows),
         "ops_naive": paths.count_ops(paths.run_naive, rows),
+        "ops_engine_ln": paths.count_ops(paths.run_engine_ln, rows),
     }
 
 
@@ -245,7 +272,8 @@ def render(jsonl: Path) -> None:
         "",
         "Written by `python bench/engine.py` from `engine.jsonl` (one line per run of a configuration; the tables",
         "show the latest of each). rows/s: median over the iterations; `vs plain` / `vs naive`: the engine's",
-        "throughput over that path's on the same rows;",
+        "throughput over that path's on the same rows; `bitfit-ln time / engine`: the engine's time on the same",
+        "rows when every task is a bitfit-ln patch (biases plus LayerNorm gains), over its time with BitFit patches;",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -255,14 +283,15 @@ def render(jsonl: Path) -> None:
             f"## {dev} ({mine[0]['dtype']}, torch {mine[0]['torch']})",
             "",
             "| tasks | dist | batch | plain rows/s | naive rows/s | engine rows/s | vs plain | vs naive "
-            "| ops plain | ops naive | ops engine |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| ops plain | ops naive | ops engine | bitfit-ln time / engine |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(mine, key=lambda r: (r["tasks"], r["dist"], r["batch"])):
+            ln = f"{r['ratio_ln_vs_engine']:.3f}" if "ratio_ln_vs_engine" in r else "-"  # lines from before engine_ln
             lines.append(
                 f"| {r['tasks']} | {r['dist']} | {r['batch']} | {r['rows_per_s_plain']:.0f} | "
                 f"{r['rows_per_s_naive']:.0f} | {r['rows_per_s_engine']:.0f} | {r['ratio_vs_plain']:.2f}x | "
-                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} |"
+                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ln} |"
             )
         lines.append("")
     lines += goals(rows)
@@ -283,7 +312,7 @@ def render(jsonl: Path) -> None:
             (r for r in rows if r["device"] == dev and r["tasks"] == 100 and r["dist"] == "uniform"),
             key=lambda r: r["batch"],
         )
-        for p in PATHS:
+        for p in (p for p in PATHS if all(f"rows_per_s_{p}" in r for r in sel)):
             ax.plot([r["batch"] for r in sel], [r[f"rows_per_s_{p}"] for r in sel], marker="o", label=p)
         ax.set(xscale="log", yscale="log", xlabel="batch size (rows)", ylabel="rows/s", title=f"{dev}, 100 tasks")
         ax.legend()
