@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import sentences
-from patches.bitfit import apply_biases, base_biases
+from patches.bitfit import apply_values, base_biases
 from patches.encoder import Encoder, load_encoder
 from patches.format import Patch
 from patches.model import pool
@@ -128,7 +128,7 @@ class Paths:
         for group in groups.values():
             patch = group[0].patch
             assert patch is not None
-            apply_biases(
+            apply_values(
                 self.naive, self.full_biases[patch.patch_id]
             )  # the swap: copy this task's biases into the model
             outs.append(self._head(self.naive, group, patch))

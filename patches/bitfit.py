@@ -183,7 +183,7 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
 
 
 @torch.no_grad()
-def apply_biases(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+def apply_values(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
     """Copy a patch's values (biases, and LayerNorm gains for a ``bitfit-ln`` patch: ``Patch.values``) into a plain
     HF model in place (the reference path for tests and evaluation)."""
     params = patch_parameters(encoder_of(model))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from patches.bitfit import apply_biases, head_module
+from patches.bitfit import apply_values, head_module
 from patches.format import Patch
 
 
@@ -47,7 +47,7 @@ class TaskModel(nn.Module):
     @classmethod
     def from_patch(cls, encoder: nn.Module, patch: Patch) -> TaskModel:
         """Apply a patch's biases (and gains) to ``encoder`` (in place) and attach its head."""
-        apply_biases(encoder, patch.values)
+        apply_values(encoder, patch.values)
         head = head_module(patch).to(next(encoder.parameters()).device)
         return cls(encoder, head, patch.meta.kind, patch.meta.pooling)
 

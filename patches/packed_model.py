@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from patches.bitfit import apply_biases
+from patches.bitfit import apply_values
 from patches.model import TaskModel
 from patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert, add_exact_attention
 
@@ -182,7 +182,7 @@ class PackedTaskModel(nn.Module):
     def task_model(self, run: int) -> TaskModel:
         """Run ``run`` as a plain TaskModel: a copy of the encoder with the run's biases, and its head (eval mode)."""
         encoder = copy.deepcopy(self.encoder)
-        apply_biases(encoder, {n: p.detach() for n, p in zip(self.trained, self.run_biases_of(run), strict=True)})
+        apply_values(encoder, {n: p.detach() for n, p in zip(self.trained, self.run_biases_of(run), strict=True)})
         weight = self.head_weights[run]
         head = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
         head.weight.copy_(weight)

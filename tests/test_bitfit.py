@@ -12,7 +12,7 @@ from transformers import BertConfig, BertModel, MPNetConfig, MPNetModel, Roberta
 from patches.bitfit import (
     BIAS_SUBSETS,
     ROLE_ORDER,
-    apply_biases,
+    apply_values,
     base_biases,
     bias_parameters,
     bias_roles,
@@ -115,7 +115,7 @@ def test_zero_patch_is_the_plain_model(tiny_encoder):
     mask = torch.ones_like(ids)
     plain = model(input_ids=ids, attention_mask=mask).last_hidden_state
     patched = copy.deepcopy(model)
-    apply_biases(patched, base_biases(model))
+    apply_values(patched, base_biases(model))
     torch.testing.assert_close(patched(input_ids=ids, attention_mask=mask).last_hidden_state, plain, rtol=0, atol=0)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
@@ -129,7 +129,7 @@ def test_extract_reads_task_models_and_refuses_unknown_biases(tiny_encoder):
     patch = extract_patch(task_model, task_model.classifier, _meta())  # bert.* prefix is stripped
     assert "encoder.layer.0.attention.self.query.bias" in patch.biases
     with pytest.raises(PatchKeysError):
-        apply_biases(copy.deepcopy(tiny_encoder.model), {"encoder.layer.9.attention.self.query.bias": torch.zeros(32)})
+        apply_values(copy.deepcopy(tiny_encoder.model), {"encoder.layer.9.attention.self.query.bias": torch.zeros(32)})
 
 
 def test_patch_sizes_for_bert_base_dimensions():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from patches.bitfit import apply_biases
+from patches.bitfit import apply_values
 from patches.encoder import load_encoder
 from patches.model import pool
 from patches.store import open_registry
@@ -42,7 +42,7 @@ def bert_base_dir(tmp_path_factory: pytest.TempPathFactory):
 
 def reference_scores(model, tokenizer, patch) -> torch.Tensor:
     """Class probabilities from the plain HF model in float32 with the patch's biases applied."""
-    apply_biases(model, patch.biases)
+    apply_values(model, patch.biases)
     enc = tokenizer(TEXT, return_tensors="pt")
     with torch.no_grad():
         out = model(**enc)
