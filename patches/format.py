@@ -446,33 +446,28 @@ class Patch:
                 f"({self.meta.base.fingerprint}), this server runs {base.name!r} ({base.fingerprint}); "
                 "retrain the patch on this base or start the server with that base"
             )
-        unknown = sorted(set(self.biases) - set(base.bias_shapes))
-        if unknown:
-            example = next(iter(base.bias_shapes), "")
-            raise PatchKeysError(
-                f"patch targets biases this encoder does not have: {unknown[:5]} (this encoder's bias names look "
-                f"like {example!r})"
-            )
-        for name, t in self.biases.items():
-            if tuple(t.shape) != tuple(base.bias_shapes[name]):
-                raise PatchShapeError(
-                    f"bias {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(base.bias_shapes[name])}"
-                )
-        unknown = sorted(set(self.scales) - set(base.scale_shapes))
-        if unknown:
-            example = next(iter(base.scale_shapes), "(none)")
-            raise PatchKeysError(
-                f"patch scales parameters that are not LayerNorm gains of this encoder: {unknown[:5]} (this "
-                f"encoder's look like {example!r})"
-            )
-        for name, t in self.scales.items():
-            if tuple(t.shape) != tuple(base.scale_shapes[name]):
-                raise PatchShapeError(
-                    f"scale {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(base.scale_shapes[name])}"
-                )
+        _check_fit("bias", self.biases, base.bias_shapes, "targets biases this encoder does not have")
+        _check_fit(
+            "scale", self.scales, base.scale_shapes, "scales parameters that are not LayerNorm gains of this encoder"
+        )
         if self.head_weight.shape[1] != base.hidden_size:
             raise PatchShapeError(
                 f"{HEAD_WEIGHT!r} expects hidden size {self.head_weight.shape[1]}, the encoder has {base.hidden_size}"
+            )
+
+
+def _check_fit(
+    what: str, tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], unknown: str
+) -> None:
+    """Refuse ``tensors`` (a patch's biases or scales) where the encoder has no such parameter or another shape."""
+    extra = sorted(set(tensors) - set(shapes))
+    if extra:
+        example = next(iter(shapes), "(none)")
+        raise PatchKeysError(f"patch {unknown}: {extra[:5]} (this encoder's {what} names look like {example!r})")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(shapes[name]):
+            raise PatchShapeError(
+                f"{what} {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(shapes[name])}"
             )
 
 
