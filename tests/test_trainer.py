@@ -702,6 +702,8 @@ def test_scales_layernorm_trains_every_gain_too_and_the_patch_serves_as_trained(
     trained = dict(result.model.encoder.named_parameters())
     assert all(torch.equal(patch.scales[n], trained[n].detach().cpu()) for n in gains)
     assert result.report["trainable_params"] == patch.n_params
+    moved = result.report["gain_movement"]  # each LayerNorm's gain, under its LayerNorm's role
+    assert set(moved) == {"emb_ln", "ln1", "ln2"} and set(moved["ln1"]) == {"0", "1"} and moved["emb_ln"]["-"] > 0
     # served by the engine in one batch, the patch answers as the trained model does row by row
     feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 32)
     served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(

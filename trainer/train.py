@@ -672,17 +672,21 @@ class _RunGroup:
         return results
 
 
-def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, float]]:
-    """mean |b_trained - b_base| per bias role and layer (the BitFit paper's Figure 1)."""
+def bias_movement(trained: nn.Module, base: nn.Module, *, gains: bool = False) -> dict[str, dict[str, float]]:
+    """mean |b_trained - b_base| per bias role and layer (the BitFit paper's Figure 1); ``gains``: the same for the
+    LayerNorm gains (a bitfit-ln patch's), each under its LayerNorm's role (ln1, ln2, emb_ln)."""
     try:
         roles = bias_roles(base)
     except EncoderError:
         return {}
-    now, then = bias_parameters(trained), bias_parameters(base)
+    params = scale_parameters if gains else bias_parameters
+    now, then = params(trained), params(base)
     out: dict[str, dict[str, float]] = {}
     for name, role in roles.items():
-        delta = (now[name].detach().cpu().float() - then[name].detach().cpu().float()).abs().mean()
-        out.setdefault(role.role, {})["-" if role.layer is None else str(role.layer)] = float(delta)
+        name = name.removesuffix(".bias") + ".weight" if gains else name
+        if name in now:  # (every bias; the gains of the LayerNorms only)
+            delta = (now[name].detach().cpu().float() - then[name].detach().cpu().float()).abs().mean()
+            out.setdefault(role.role, {})["-" if role.layer is None else str(role.layer)] = float(delta)
     return out
 
 
@@ -887,6 +891,8 @@ class PatchTraining:
         source = merged[best_index] if merged is not None else shown_runs[best_index]
         report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
+        if not config.full and config.scales != "none":
+            report["gain_movement"] = bias_movement(model.encoder, encoder.model, gains=True)
         del models, chosen  # the other runs' models
         self._models, self._moved = [], None
         if config.full:
