@@ -377,6 +377,8 @@ def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_rea
         ({"contrastive": -1}, "contrastive: Input should be greater than or equal to 0"),
         ({"contrastive": 2, "full": True}, "contrastive trains biases only"),
         ({"contrastive": 2, "kind": "regression"}, "contrastive pairs rows by their label"),
+        ({"scales": "ia3"}, "scales: Input should be 'none' or 'layernorm'"),
+        ({"scales": "layernorm", "full": True}, "full fine-tuning trains every weight; drop scales or full"),
     ],
 )
 def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):
