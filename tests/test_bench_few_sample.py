@@ -112,8 +112,9 @@ def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(
     assert not already_run(runs_file, today, small, torch.device("cuda"), set="trec", rows=256, seed=0)
 
 
-def test_the_contrastive_stage_is_compared_with_none_on_the_same_draws(tmp_path):
+def test_opt_in_candidates_are_compared_with_todays_defaults_on_the_same_draws(tmp_path):
     today, stage = default_settings("bitfit"), default_settings("bitfit") | {"contrastive": 8}
+    gains, both = today | {"scales": "layernorm"}, stage | {"scales": "layernorm"}
     run = {"set": "trec", "rows": 256, "mode": "bitfit", "metric": "accuracy", "device": "cpu", "seconds": 60}
     runs = [
         run | {"seed": 0, "test": 0.92, "heldout": 0.88, "dev": 0.9, "settings": stage},
@@ -121,10 +122,17 @@ def test_the_contrastive_stage_is_compared_with_none_on_the_same_draws(tmp_path)
         run | {"seed": 2, "test": 0.99, "heldout": 0.99, "dev": 0.9, "settings": stage},  # no draw to pair with
         run | {"seed": 0, "test": 0.91, "heldout": 0.864, "dev": 0.9, "settings": today},
         run | {"seed": 1, "test": 0.91, "heldout": 0.87, "dev": 0.9, "settings": today},
+        run | {"seed": 1, "test": 0.93, "heldout": 0.85, "dev": 0.9, "settings": gains},
+        run | {"seed": 1, "test": 0.50, "heldout": 0.50, "dev": 0.9, "settings": both},  # two changes: not paired
     ]
     text = _table(runs, tmp_path)
+    assert (
+        "- trec, 256 rows, bitfit (cpu): scales=layernorm against today's defaults, same draws: "
+        "set's dev -2.0 (per draw: -2.0); test +2.0 (per draw: +2.0)"
+    ) in text
+    assert "contrastive=8, scales=layernorm against" not in text
     assert "| trec | 256 | bitfit | contrastive=8 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
     assert (
-        "- trec, 256 rows, bitfit (cpu): contrastive=8 against none, same draws: "
+        "- trec, 256 rows, bitfit (cpu): contrastive=8 against today's defaults, same draws: "
         "set's dev +0.3 (per draw: +1.6, -1.0); test +0.0 (per draw: +1.0, -1.0)"
     ) in text
