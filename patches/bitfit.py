@@ -120,6 +120,11 @@ def scale_names(encoder: nn.Module, scales: str) -> list[str]:
     return names
 
 
+def trained_names(encoder: nn.Module, subset: str, scales: str) -> list[str]:
+    """Everything a patch of this bias subset and these scales trains: its biases, then its LayerNorm gains."""
+    return target_names(encoder, subset) + scale_names(encoder, scales)
+
+
 def _rules(encoder: nn.Module) -> dict[str, str]:
     model_type = getattr(getattr(encoder, "config", None), "model_type", None)
     if model_type not in ARCH_RULES:

@@ -327,17 +327,17 @@ class Patch:
         self._check_tensors()
 
     # --- identity & size ----------------------------------------------------------------------------------
+    def _keyed(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the patch under its file key (``bias.<name>``, ``scale.<name>``, the head's two)."""
+        keyed = {BIAS_PREFIX + k: v for k, v in self.biases.items()}
+        keyed.update({SCALE_PREFIX + k: v for k, v in self.scales.items()})
+        keyed.update({HEAD_WEIGHT: self.head_weight, HEAD_BIAS: self.head_bias})
+        return keyed
+
     @cached_property
     def data(self) -> bytes:
         """Canonical bytes of this patch (what is written to disk / Redis)."""
-        tensors = {
-            BIAS_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.biases.items()
-        }
-        tensors.update(
-            {SCALE_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.scales.items()}
-        )
-        tensors[HEAD_WEIGHT] = self.head_weight.detach().to("cpu", torch.float32).contiguous()
-        tensors[HEAD_BIAS] = self.head_bias.detach().to("cpu", torch.float32).contiguous()
+        tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in self._keyed().items()}
         return st_save(tensors, metadata={METADATA_KEY: self.meta.to_json()})
 
     @cached_property
@@ -416,10 +416,7 @@ class Patch:
                 + ("needs" if scaled else "has no")
                 + f" '{SCALE_PREFIX}<param>' tensors (LayerNorm gains), this one has {len(self.scales)}; re-export it"
             )
-        named = {BIAS_PREFIX + k: v for k, v in self.biases.items()}
-        named.update({SCALE_PREFIX + k: v for k, v in self.scales.items()})
-        named.update({HEAD_WEIGHT: self.head_weight, HEAD_BIAS: self.head_bias})
-        for key, t in named.items():
+        for key, t in self._keyed().items():
             if t.dtype != torch.float32:
                 raise PatchShapeError(f"tensor {key!r} has dtype {t.dtype}; patches store float32")
             if key.startswith((BIAS_PREFIX, SCALE_PREFIX)) and t.dim() != 1:

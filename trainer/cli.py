@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from patches.bitfit import SCALES
 from patches.cli import add_min_replicas_option, add_registry_option, add_retention_option
 from patches.jobs import METRIC_NAMES, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
@@ -47,7 +48,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scales",
         default="none",
-        choices=["none", "layernorm"],
+        choices=list(SCALES),
         help="what trains besides the biases: none (a bitfit patch, the default) or layernorm (every LayerNorm's "
         "gain too: a bitfit-ln patch, 13 more vectors on MiniLM, served at a bias's cost in the same mixed batches)",
     )

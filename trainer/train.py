@@ -37,9 +37,9 @@ from patches.bitfit import (
     bias_parameters,
     bias_roles,
     extract_patch,
-    scale_names,
+    patch_parameters,
     scale_parameters,
-    target_names,
+    trained_names,
 )
 from patches.data import Dataset
 from patches.encoder import Encoder, resolve_device
@@ -233,9 +233,8 @@ def trainable_parameters(model: TaskModel, config: TrainConfig) -> tuple[list[nn
     if config.full:
         encoder = list(model.encoder.parameters())
     else:
-        params = bias_parameters(model.encoder) | scale_parameters(model.encoder)
-        names = target_names(model.encoder, config.bias_subset) + scale_names(model.encoder, config.scales)
-        encoder = [params[n] for n in names]
+        params = patch_parameters(model.encoder)
+        encoder = [params[n] for n in trained_names(model.encoder, config.bias_subset, config.scales)]
     head = list(model.head.parameters())
     for p in [*encoder, *head]:
         p.requires_grad_(True)
@@ -309,7 +308,7 @@ def packed_task_model(
         heads,
         kind,
         pooling,
-        target_names(base, config.bias_subset) + scale_names(base, config.scales),
+        trained_names(base, config.bias_subset, config.scales),
         hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
         attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
         packed=packed,
