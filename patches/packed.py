@@ -348,33 +348,31 @@ class PackedBert:
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)
 
-        def norm(x: torch.Tensor, gain: torch.Tensor, name: str, eps: float) -> torch.Tensor:
-            """LayerNorm without its beta: the shared gain, or each row's own from the gain bank ``name``."""
+        def norm(x: torch.Tensor, gain: torch.Tensor, name: str, beta: str, eps: float) -> torch.Tensor:
+            """LayerNorm with the shared gain, or each row's own from the gain bank ``name``, then the beta bank
+            ``beta`` where there is one. With gain banks it normalises, scales and shifts in float32 and rounds once
+            to ``x``'s dtype, as a fused LayerNorm does (in half precision, rounding after each step put a
+            bitfit-ln server's every row further from float32 than the plain model's)."""
             if name in banks:
-                return F.layer_norm(x, (h,), None, None, eps) * bias(name)
-            return F.layer_norm(x, (h,), gain.to(x.dtype), None, eps)
+                y = F.layer_norm(x.float(), (h,), None, None, eps) * bias(name)
+                return (y + bias(beta) if beta in banks else y).to(x.dtype)
+            y = F.layer_norm(x, (h,), gain.to(x.dtype), None, eps)
+            return y + bias(beta) if beta in banks else y
 
         x = F.embedding(b.ids, self.word) + F.embedding(b.pos, self.position)
         if self.token_type is not None:
             x = x + F.embedding(b.types, self.token_type)
-        x = norm(x, self.emb_g, "emb_g", self.emb_eps)
-        if "emb_ln" in banks:
-            x = x + bias("emb_ln")
-        x = drop(x)
+        x = drop(norm(x, self.emb_g, "emb_g", "emb_ln", self.emb_eps))
         for i, layer in enumerate(self.layers):
             qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
             ctx = self._attend(qkv, b, attention, attention_dropout)
             y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
-            x = norm(y + x, layer.g1, f"{i}.g1", layer.eps1)
-            if f"{i}.ln1" in banks:
-                x = x + bias(f"{i}.ln1")
+            x = norm(y + x, layer.g1, f"{i}.g1", f"{i}.ln1", layer.eps1)
             y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
             y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()
-            x = norm(y + x, layer.g2, f"{i}.g2", layer.eps2)
-            if f"{i}.ln2" in banks:
-                x = x + bias(f"{i}.ln2")
+            x = norm(y + x, layer.g2, f"{i}.g2", f"{i}.ln2", layer.eps2)
         if "out" in banks:
             x = x + bias("out")
         return x

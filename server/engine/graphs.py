@@ -99,7 +99,12 @@ class GraphSet:
         """Copy ``staging`` (an n-token layout) into the static inputs, without blocking, and replay bucket ``n``.
         Returns its static outputs: read them (on the stream) before the next replay."""
         if self.generation != self._generation:
+            # a fresh memory pool for the new captures: the old graphs' pool is released with them, but it lives
+            # on while a tensor from it does (the last batch's outputs), and capturing into a released pool trips
+            # PyTorch's allocator ("use_count > 0 INTERNAL ASSERT FAILED"; seen on an H200, torch 2.11), which
+            # turned the graphs off
             self._graphs.clear()
+            self._pool = torch.cuda.graph_pool_handle()
             self._generation = self.generation
         g = self._graphs.get(n)
         if g is None:
