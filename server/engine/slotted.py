@@ -76,10 +76,11 @@ class SlottedLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gain is None:
             y = F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
-        else:
-            y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-            y = y * self.index.gather(self.gain, y)
-        return y + self.index.gather(self.bank, y)
+            return y + self.index.gather(self.bank, y)
+        # normalised, scaled and shifted in float32 and rounded once, as a fused LayerNorm does (in half precision,
+        # rounding after each step moves every row further from float32 than the plain model; PackedBert likewise)
+        y = F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps) * self.index.gather(self.gain, x)
+        return (y + self.index.gather(self.bank, x)).to(x.dtype)
 
 
 @dataclass
