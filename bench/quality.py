@@ -4,6 +4,7 @@ encoder, with default settings, on the shared evaluation data; mean +- std over 
     python bench/quality.py                                   # every set, 3 seeds, all three modes
     python bench/quality.py --sets trec --seeds 0 --modes bitfit full --device cuda
     python bench/quality.py --sets trec --modes bitfit --set dropout=0 --out /tmp/candidate   # try a setting
+    python bench/quality.py --device cuda --joint             # a set's BitFit runs in one batch (a GPU's lever)
 
 Each finished run is appended to docs/quality-runs.jsonl with the settings it was trained with (so an interrupted
 benchmark resumes where it stopped); docs/quality.md is rewritten from all recorded runs after each one, with only
@@ -23,17 +24,19 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields, replace
 from typing import Any
 
 import torch
 
 from bench.baselines import BASELINES, logreg
-from patches.data import DataFile, load_splits
-from patches.encoder import load_encoder, resolve_device
+from patches.data import DataFile, Splits, load_splits
+from patches.encoder import Encoder, load_encoder, resolve_device
 from patches.jobs import SELECTION_METRICS, TrainConfig
-from trainer.train import train_patch
+from patches.packed import packed_unsupported
+from patches.packed_model import training_bert
+from trainer.train import JointTrainer, PatchTraining, TrainResult, train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -206,7 +209,9 @@ def _diff(mean: dict[str, float | None], a: str, b: str) -> str:
 
 
 def _minutes(runs: list[dict]) -> str:
-    return f"{statistics.mean(r['seconds'] / 60 for r in runs):.1f}" if runs else "-"
+    """Mean wall minutes per run; runs trained together (``joint``: n runs in one batch, ``--joint``) each count
+    their batch's wall time shared out over its n runs."""
+    return f"{statistics.mean(r['seconds'] / r.get('joint', 1) / 60 for r in runs):.1f}" if runs else "-"
 
 
 def device_type(run: dict) -> str:
@@ -331,6 +336,13 @@ def main() -> None:
         help=f"trainer modes, and logreg: the floor ({BASELINES['logreg']}; one run per set)",
     )
     add_run_arguments(ap, "quality", "dropout=0")
+    ap.add_argument(
+        "--joint",
+        action="store_true",
+        help="train each set's BitFit runs (every mode and seed asked) together in one batch, as `patchserve worker "
+        "--concurrent-jobs` trains jobs: on a GPU, where an update is launch-bound, several runs cost little more "
+        "than one (full fine-tuning still trains alone); recorded with joint=n, min/run shares the batch's time out",
+    )
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
     out = Path(args.out)
@@ -340,9 +352,14 @@ def main() -> None:
     encoder = load_encoder("default")
     device = resolve_device(args.device)
     data = Path(args.data)
+
+    def record(rec: dict[str, Any]) -> None:
+        record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+
     for ds in args.sets:
         train, dev, test = (DataFile.read(data / ds / f"{split}.jsonl") for split in ("train", "dev", "test"))
         splits = load_splits(train, dev, test)  # as `patchserve train --train … --dev … --test …` reads them
+        together: list[tuple[str, int, TrainConfig]] = []
         for mode in args.modes:
             if mode == "logreg":
                 if not any(r["set"] == ds and r["mode"] == mode for r in load_runs(runs_file)):
@@ -358,35 +375,67 @@ def main() -> None:
                     }
                     rec |= {"train_rows": len(splits.train), "dev_rows": len(splits.dev), "settings": floor.settings}
                     rec["seconds"] = time.perf_counter() - t0
-                    record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+                    record(rec)
                 continue
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
-                wanted = settings(config)
                 rows = (len(splits.train), len(splits.dev))
-                if already_run(runs_file, wanted, rows, device, set=ds, mode=mode, seed=seed):
+                if already_run(runs_file, settings(config), rows, device, set=ds, mode=mode, seed=seed):
+                    continue
+                if args.joint and not config.full and packed_unsupported(encoder.model) is None:
+                    together.append((mode, seed, config))  # trained below, in one batch with the set's other runs
                     continue
                 t0 = time.perf_counter()
                 result = train_patch(encoder, splits.train, splits.dev, config, test=splits.test)
-                metric = result.report["metric"]
-                rec = {
-                    "set": ds,
-                    "mode": mode,
-                    "seed": seed,
-                    "metric": metric,
-                    "test": result.report["test"][metric],
-                    "dev": result.report["dev"][metric],
-                    "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
-                    "train_rows": len(splits.train),
-                    "dev_rows": len(splits.dev),
-                    "steps": result.report["steps"],
-                    "best_step": result.report["best_step"],
-                    "lr": result.report["lr"],
-                    "settings": wanted,
-                    "seconds": time.perf_counter() - t0,
-                    "trainable_params": result.report["trainable_params"],
-                }
-                record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+                record(run_record(ds, mode, seed, config, result, splits, time.perf_counter() - t0))
+        for mode, seed, config, result, seconds in train_jointly(encoder, splits, device, together):
+            record(run_record(ds, mode, seed, config, result, splits, seconds) | {"joint": len(together)})
+
+
+def run_record(
+    ds: str, mode: str, seed: int, config: TrainConfig, result: TrainResult, splits: Splits, seconds: float
+) -> dict[str, Any]:
+    """What the runs file keeps of a trained run."""
+    metric = result.report["metric"]
+    return {
+        "set": ds,
+        "mode": mode,
+        "seed": seed,
+        "metric": metric,
+        "test": result.report["test"][metric],
+        "dev": result.report["dev"][metric],
+        "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
+        "train_rows": len(splits.train),
+        "dev_rows": len(splits.dev),
+        "steps": result.report["steps"],
+        "best_step": result.report["best_step"],
+        "lr": result.report["lr"],
+        "settings": settings(config),
+        "seconds": seconds,
+        "trainable_params": result.report["trainable_params"],
+    }
+
+
+def train_jointly(
+    encoder: Encoder, splits: Splits, device: torch.device, runs: list[tuple[str, int, TrainConfig]]
+) -> Iterator[tuple[str, int, TrainConfig, TrainResult, float]]:
+    """Train ``runs`` (mode, seed, config: BitFit runs) together, one update of each per step over one shared packed
+    encoder, as ``patchserve worker --concurrent-jobs`` trains jobs. Each is yielded as it finishes, with its result
+    and the seconds from the batch's start to its end."""
+    if not runs:
+        return
+    shared = training_bert(encoder.model.to(device))
+    trainings = [
+        PatchTraining(encoder, splits.train, splits.dev, c, test=splits.test, packed_bert=shared) for *_, c in runs
+    ]
+    by_training = {id(t): run for t, run in zip(trainings, runs, strict=True)}
+    trainer = JointTrainer(trainings)
+    t0 = time.perf_counter()
+    while len(trainer):
+        for training, error in trainer.step():
+            if error is not None:
+                raise error
+            yield *by_training[id(training)], training.finish(), time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""bench/quality.py --joint: a set's BitFit runs trained together in one batch train as each would alone, and the
+table shares a joint batch's wall time out over its runs."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.quality import MODES, _minutes, train_jointly
+from patches.data import DataFile, load_splits
+from patches.jobs import TrainConfig
+from tests.helpers import synthetic_rows, write_jsonl
+from trainer.train import train_patch
+
+
+def test_runs_trained_together_train_as_each_would_alone(tiny_encoder, tmp_path):
+    """Without dropout (the one thing a shared batch draws differently) every run's biases, head and scores are what
+    its own train_patch gives: a row touches only its own run's parameters."""
+    files = {
+        split: DataFile.read(write_jsonl(tmp_path / f"{split}.jsonl", synthetic_rows("classification", n, seed=i)))
+        for i, (split, n) in enumerate((("train", 48), ("dev", 16), ("test", 16)))
+    }
+    splits = load_splits(files["train"], files["dev"], files["test"])
+    runs = [
+        (mode, seed, TrainConfig(task="t", seed=seed, device="cpu", dropout=0.0, epochs=2, min_steps=8, **MODES[mode]))  # type: ignore[arg-type]
+        for mode, seed in (("bitfit", 0), ("bitfit-qi", 1), ("bitfit", 2))
+    ]
+    together = {
+        (mode, seed): (result, seconds)
+        for mode, seed, _, result, seconds in train_jointly(tiny_encoder, splits, torch.device("cpu"), runs)
+    }
+    assert set(together) == {("bitfit", 0), ("bitfit-qi", 1), ("bitfit", 2)}
+    for mode, seed, config in runs:
+        joint, seconds = together[mode, seed]
+        alone = train_patch(tiny_encoder, splits.train, splits.dev, config, test=splits.test)
+        assert seconds > 0 and joint.report["steps"] == alone.report["steps"] > 0
+        assert joint.report["test"] == alone.report["test"] and joint.report["dev"] == alone.report["dev"]
+        assert joint.patch is not None and alone.patch is not None
+        assert joint.patch.biases.keys() == alone.patch.biases.keys()
+        for name, value in alone.patch.biases.items():
+            torch.testing.assert_close(joint.patch.biases[name], value, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(joint.patch.head_weight, alone.patch.head_weight, atol=1e-5, rtol=1e-4)
+    # the seeds differ, so the runs do too (the comparison above is not between identical copies)
+    a, b = together["bitfit", 0][0].patch, together["bitfit", 2][0].patch
+    assert a is not None and b is not None and not torch.equal(a.head_weight, b.head_weight)
+
+
+def test_min_per_run_shares_a_joint_batch_out_over_its_runs():
+    assert _minutes([{"seconds": 720.0, "joint": 6}, {"seconds": 60.0}]) == "1.5"  # 2 and 1 minutes
+    assert _minutes([]) == "-"
