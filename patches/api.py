@@ -123,7 +123,9 @@ class TaskRegistered(BaseModel):
     labels: list[str | int]
     n_params: int
     patch_type: str = Field(
-        "bitfit", description="`bitfit` (biases + head) or `bitfit-ln` (biases, LayerNorm gains + head)"
+        "bitfit",
+        description="`bitfit` (biases + head), `bitfit-ln` (biases, LayerNorm gains + head) or "
+        "`bitfit-ia3` (biases, (IA)^3 scales + head)",
     )
     base: BaseInfo
 

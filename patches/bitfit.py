@@ -2,7 +2,10 @@
 
 Besides the biases, a ``bitfit-ln`` patch (opt-in, ``SCALES["layernorm"]``) also trains every LayerNorm's gain:
 like a bias, a gain is one vector per task that the engine applies per row (an elementwise multiply where a bias is
-an add), so it serves at a bias's cost.
+an add), so it serves at a bias's cost. A ``bitfit-ia3`` patch (``SCALES["ia3"]``) instead trains (IA)^3 scales
+(Liu et al., 2022): one vector per layer for each of the key and value projections' outputs and the feed-forward
+intermediate's (after its activation), each multiplied into its module's output per row. (IA)^3 sites are modules, not
+parameters: the plain model applies them by forward hooks (``apply_values``), the packed engine by gathered banks.
 
 Bias *roles* follow the BitFit paper's symbols (b_q, b_k, b_v, b_m1, b_LN1, b_m2, b_m3, b_LN2, plus the embedding
 LayerNorm and pooler biases). Each architecture maps roles to Hugging Face parameter names by a naming rule, so a
@@ -14,12 +17,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from patches.errors import EncoderError, PatchKeysError
-from patches.format import PATCH_TYPE, SCALED_PATCH_TYPE, Patch, PatchMeta
+from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, SCALED_PATCH_TYPE, Patch, PatchMeta
 
 _L = r"encoder\.layer\.(\d+)\."
 _BERT_ROLES = {
@@ -63,8 +67,18 @@ BIAS_SUBSETS: dict[str, tuple[str, ...] | None] = {
 }
 
 
-#: what a patch trains besides biases: "none" (BitFit) or "layernorm" (every LayerNorm gain too), by patch type
-SCALES: dict[str, str] = {"none": PATCH_TYPE, "layernorm": SCALED_PATCH_TYPE}
+#: what a patch trains besides biases: "none" (BitFit), "layernorm" (every LayerNorm gain too) or "ia3" ((IA)^3
+#: scales on every layer's keys, values and feed-forward intermediate), by patch type
+SCALES: dict[str, str] = {"none": PATCH_TYPE, "layernorm": SCALED_PATCH_TYPE, "ia3": IA3_PATCH_TYPE}
+
+#: model_type -> regexes over module names: the modules whose outputs an (IA)^3 patch scales (keys, values, the
+#: feed-forward intermediate after its activation)
+IA3_RULES: dict[str, tuple[str, ...]] = {
+    "bert": (_L + r"attention\.self\.key", _L + r"attention\.self\.value", _L + r"intermediate"),
+    "roberta": (_L + r"attention\.self\.key", _L + r"attention\.self\.value", _L + r"intermediate"),
+    "xlm-roberta": (_L + r"attention\.self\.key", _L + r"attention\.self\.value", _L + r"intermediate"),
+    "mpnet": (_L + r"attention\.attn\.k", _L + r"attention\.attn\.v", _L + r"intermediate"),
+}
 
 
 @dataclass(frozen=True)
@@ -99,8 +113,31 @@ def scale_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
     }
 
 
+def ia3_sites(encoder: nn.Module) -> dict[str, nn.Module]:
+    """The modules whose outputs an (IA)^3 patch scales, by module name, in the encoder's order (none for an
+    architecture without ``IA3_RULES``)."""
+    model_type = getattr(getattr(encoder, "config", None), "model_type", None)
+    rules = [re.compile(rx) for rx in IA3_RULES.get(str(model_type), ())]
+    return {n: m for n, m in encoder.named_modules() if any(rx.fullmatch(n) for rx in rules)}
+
+
+def _output_width(module: nn.Module) -> int:
+    """The width of a module's output: a Linear's, or (the feed-forward intermediate) its ``dense`` Linear's."""
+    linear = module if isinstance(module, nn.Linear) else getattr(module, "dense", None)
+    if not isinstance(linear, nn.Linear):
+        raise EncoderError(f"cannot tell the output width of {type(module).__name__} for an (IA)^3 scale")
+    return int(linear.out_features)
+
+
 def scale_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(p.shape) for n, p in scale_parameters(encoder).items()}
+    """The shape of everything a patch can scale: every LayerNorm gain and every (IA)^3 site."""
+    gains = {n: tuple(p.shape) for n, p in scale_parameters(encoder).items()}
+    return gains | {n: (_output_width(m),) for n, m in ia3_sites(encoder).items()}
+
+
+def ia3_base(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """Every (IA)^3 site at its base value: ones, float32 (a scale of one leaves the output as it is)."""
+    return {n: torch.ones(_output_width(m)) for n, m in ia3_sites(encoder).items()}
 
 
 def patch_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
@@ -114,14 +151,15 @@ def scale_names(encoder: nn.Module, scales: str) -> list[str]:
         raise ValueError(f"unknown scales {scales!r}; choose one of {sorted(SCALES)}")
     if scales == "none":
         return []
-    names = list(scale_parameters(encoder))
+    names = list(scale_parameters(encoder) if scales == "layernorm" else ia3_sites(encoder))
     if not names:
-        raise EncoderError("this encoder has no LayerNorm gains to train; use scales 'none'")
+        what = "LayerNorm gains" if scales == "layernorm" else f"(IA)^3 rules (IA3_RULES covers {sorted(IA3_RULES)})"
+        raise EncoderError(f"this encoder has no {what} to train; use scales 'none'")
     return names
 
 
 def trained_names(encoder: nn.Module, subset: str, scales: str) -> list[str]:
-    """Everything a patch of this bias subset and these scales trains: its biases, then its LayerNorm gains."""
+    """Everything a patch of this bias subset and these scales trains: its biases, then its gains or scales."""
     return target_names(encoder, subset) + scale_names(encoder, scales)
 
 
@@ -163,7 +201,7 @@ def target_names(encoder: nn.Module, subset: str) -> list[str]:
 
 def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: Iterable[str] | None = None) -> Patch:
     """Build a patch from a trained model: the current values of its target biases (and, for a ``bitfit-ln``
-    ``meta.patch_type``, of every LayerNorm gain) plus the head.
+    ``meta.patch_type``, of every LayerNorm gain; for ``bitfit-ia3``, of every (IA)^3 scale) plus the head.
 
     ``targets`` defaults to the names of ``meta.bias_subset``.
     """
@@ -173,7 +211,11 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
     missing = [n for n in names if n not in params]
     if missing:
         raise PatchKeysError(f"the model has no bias parameters {missing[:5]}")
-    gains = scale_parameters(encoder) if meta.patch_type == SCALED_PATCH_TYPE else {}
+    gains: Mapping[str, torch.Tensor] = {}
+    if meta.patch_type == SCALED_PATCH_TYPE:
+        gains = scale_parameters(encoder)
+    elif meta.patch_type == IA3_PATCH_TYPE:
+        gains = ia3_values(encoder)
 
     def value(p: torch.Tensor) -> torch.Tensor:
         return p.detach().to("cpu", torch.float32).clone()
@@ -187,16 +229,45 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
     )
 
 
+_IA3_BUFFER = "ia3_scale"
+
+
+def _scale_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of an (IA)^3 site: its output times its scale."""
+    return output * getattr(module, _IA3_BUFFER)
+
+
+def ia3_values(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """The (IA)^3 scales ``apply_values`` set on a plain model, by site (ones where none was set)."""
+    out = ia3_base(encoder)
+    for name, module in ia3_sites(encoder).items():
+        scale = getattr(module, _IA3_BUFFER, None)
+        if isinstance(scale, torch.Tensor):
+            out[name] = scale
+    return out
+
+
 @torch.no_grad()
 def apply_values(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """Copy a patch's values (biases, and LayerNorm gains for a ``bitfit-ln`` patch: ``Patch.values``) into a plain
-    HF model in place (the reference path for tests and evaluation)."""
-    params = patch_parameters(encoder_of(model))
-    unknown = sorted(set(values) - set(params))
+    """Copy a patch's values (``Patch.values``: biases, and a ``bitfit-ln`` patch's LayerNorm gains) into a plain HF
+    model in place (the reference path for tests and evaluation). An (IA)^3 scale becomes a buffer of its module and a
+    forward hook (installed once per module) multiplies the module's output by it."""
+    encoder = encoder_of(model)
+    params = patch_parameters(encoder)
+    sites = ia3_sites(encoder)
+    unknown = sorted(set(values) - set(params) - set(sites))
     if unknown:
-        raise PatchKeysError(f"the model has no bias or LayerNorm gain parameters {unknown[:5]}")
+        raise PatchKeysError(f"the model has no bias, LayerNorm gain or (IA)^3 site {unknown[:5]}")
     for name, value in values.items():
-        params[name].copy_(value.to(params[name].device, params[name].dtype))
+        if name in params:
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+            continue
+        module = sites[name]
+        like = next(module.parameters())
+        scale = value.detach().to(like.device, like.dtype).clone()
+        if not isinstance(getattr(module, _IA3_BUFFER, None), torch.Tensor):
+            module.register_forward_hook(_scale_output)
+        module.register_buffer(_IA3_BUFFER, scale, persistent=False)
 
 
 def base_biases(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

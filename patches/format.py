@@ -7,6 +7,10 @@ This module is the ONLY place that knows tensor key names and the header layout.
 * ``scale.<encoder parameter name>`` float32 ``[dim]`` -- only in a ``bitfit-ln`` patch: the trained gain (weight) of
   every LayerNorm of the encoder (e.g. ``scale.encoder.layer.0.output.LayerNorm.weight``), served as a per-row
   elementwise multiply exactly as a bias is a per-row add;
+* ``scale.<encoder module name>`` float32 ``[dim]`` -- only in a ``bitfit-ia3`` patch: an (IA)^3 scale (Liu et al.,
+  2022) that multiplies the output of that module elementwise: every layer's key and value projections (after their
+  bias) and its feed-forward intermediate (after the activation), e.g. ``scale.encoder.layer.0.attention.self.key``
+  and ``scale.encoder.layer.0.intermediate``; a module name never ends in ``.weight``, a LayerNorm gain always does;
 * ``head.weight`` float32 ``[n_out, hidden]`` and ``head.bias`` float32 ``[n_out]`` -- the task head;
 * one metadata entry ``"patchserve"`` in the safetensors header: canonical JSON of :class:`PatchMeta`.
 
@@ -54,7 +58,8 @@ SUPPORTED_FORMAT_VERSIONS = frozenset({1})
 METADATA_KEY = "patchserve"
 PATCH_TYPE = "bitfit"  # biases + head (the default)
 SCALED_PATCH_TYPE = "bitfit-ln"  # biases + every LayerNorm's gain + head (opt-in: ``--scales layernorm``)
-PATCH_TYPES = (PATCH_TYPE, SCALED_PATCH_TYPE)
+IA3_PATCH_TYPE = "bitfit-ia3"  # biases + (IA)^3 scales on keys, values, FFN intermediates + head (``--scales ia3``)
+PATCH_TYPES = (PATCH_TYPE, SCALED_PATCH_TYPE, IA3_PATCH_TYPE)
 FILE_SUFFIX = ".safetensors"
 BIAS_PREFIX = "bias."
 SCALE_PREFIX = "scale."
@@ -184,7 +189,7 @@ class BaseSpec:
     fingerprint: str
     hidden_size: int
     bias_shapes: Mapping[str, tuple[int, ...]]
-    scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # every LayerNorm gain
+    scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # LayerNorm gains, (IA)^3 sites
 
 
 @dataclass
@@ -311,9 +316,10 @@ class Patch:
     """A task's BitFit patch: trained bias values, a linear head and metadata.
 
     ``biases`` maps encoder parameter names (``encoder.layer.0.attention.self.query.bias``) to ``[dim]`` float32;
-    ``head_weight`` is ``[n_out, hidden]`` and ``head_bias`` ``[n_out]``. ``scales`` (a ``bitfit-ln`` patch only,
-    else empty) maps the names of the encoder's LayerNorm gains (``encoder.layer.0.output.LayerNorm.weight``) to
-    their trained ``[dim]`` values.
+    ``head_weight`` is ``[n_out, hidden]`` and ``head_bias`` ``[n_out]``. ``scales`` (empty in a ``bitfit`` patch)
+    maps the names of the encoder's LayerNorm gains (``encoder.layer.0.output.LayerNorm.weight``, a ``bitfit-ln``
+    patch) or of the modules whose outputs its (IA)^3 scales multiply (``encoder.layer.0.intermediate``, a
+    ``bitfit-ia3`` patch) to their trained ``[dim]`` values.
     """
 
     meta: PatchMeta
@@ -353,7 +359,7 @@ class Patch:
 
     @property
     def values(self) -> dict[str, torch.Tensor]:
-        """Every encoder parameter the patch sets (its biases and its scales), by the encoder's parameter name."""
+        """Everything the patch sets in the encoder (its biases and its scales), by parameter or module name."""
         return self.biases | self.scales
 
     # --- (de)serialisation -------------------------------------------------------------------------------
@@ -385,7 +391,7 @@ class Patch:
         if unknown:
             raise PatchKeysError(
                 f"patch has unknown tensor keys {unknown[:5]}; a patch holds only '{BIAS_PREFIX}<param>', "
-                f"'{SCALE_PREFIX}<param>', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
+                f"'{SCALE_PREFIX}<name>', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
             )
         biases = {k[len(BIAS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(BIAS_PREFIX)}
         scales = {k[len(SCALE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SCALE_PREFIX)}
@@ -409,12 +415,21 @@ class Patch:
     def _check_tensors(self) -> None:
         if not self.biases:
             raise PatchKeysError("patch has no bias tensors; it would not change the encoder")
-        scaled = self.meta.patch_type == SCALED_PATCH_TYPE
+        scaled = self.meta.patch_type != PATCH_TYPE
         if scaled != bool(self.scales):
             raise PatchKeysError(
                 f"a {self.meta.patch_type!r} patch "
                 + ("needs" if scaled else "has no")
-                + f" '{SCALE_PREFIX}<param>' tensors (LayerNorm gains), this one has {len(self.scales)}; re-export it"
+                + f" '{SCALE_PREFIX}<name>' tensors (LayerNorm gains or (IA)^3 scales), this one has "
+                + f"{len(self.scales)}; re-export it"
+            )
+        gains = self.meta.patch_type == SCALED_PATCH_TYPE
+        misplaced = sorted(n for n in self.scales if n.endswith(".weight") != gains)
+        if misplaced:
+            raise PatchKeysError(
+                f"a {self.meta.patch_type!r} patch holds "
+                + ("LayerNorm gains ('<param>.weight')" if gains else "(IA)^3 scales (module names)")
+                + f", not {misplaced[:3]}; re-export it"
             )
         for key, t in self._keyed().items():
             if t.dtype != torch.float32:
@@ -445,7 +460,10 @@ class Patch:
             )
         _check_fit("bias", self.biases, base.bias_shapes, "targets biases this encoder does not have")
         _check_fit(
-            "scale", self.scales, base.scale_shapes, "scales parameters that are not LayerNorm gains of this encoder"
+            "scale",
+            self.scales,
+            base.scale_shapes,
+            "scales what is neither a LayerNorm gain nor an (IA)^3 site of this encoder",
         )
         if self.head_weight.shape[1] != base.hidden_size:
             raise PatchShapeError(

@@ -108,9 +108,10 @@ class TrainConfig:
 
     task: str
     bias_subset: str = "all"
-    # what trains besides the biases: "none" (BitFit, a "bitfit" patch) or "layernorm" (every LayerNorm's gain too,
-    # a "bitfit-ln" patch: one more per-row vector per LayerNorm, served at a bias's cost)
-    scales: Literal["none", "layernorm"] = "none"
+    # what trains besides the biases: "none" (BitFit, a "bitfit" patch), "layernorm" (every LayerNorm's gain too,
+    # a "bitfit-ln" patch: one more per-row vector per LayerNorm, served at a bias's cost) or "ia3" ((IA)^3 scales on
+    # every layer's keys, values and feed-forward intermediate, a "bitfit-ia3" patch; trains on the packed model)
+    scales: Literal["none", "layernorm", "ia3"] = "none"
     pooling: str | None = None  # None: the encoder's default (mean for sentence-embedding encoders)
     kind: str | None = None  # None: inferred from the data
     max_seq_length: Annotated[int, Field(ge=8, le=65536)] = 128

@@ -28,6 +28,13 @@ A ``bitfit-ln`` patch also sets every LayerNorm's gain. Gains enter as *gain ban
 gain would be; the betas still fold as above (they are added after the gain). The gain banks exist only once a
 patch with gains has been loaded (``generation`` counts that, so captured graphs are dropped); until then every
 LayerNorm runs with the shared gain, and a BitFit-only server pays nothing for them.
+
+A ``bitfit-ia3`` patch sets (IA)^3 scales: per layer, one on the key and value projections' outputs (the *scale bank*
+``{i}.s`` ``[slots, 3H]``, ones over the query part, multiplied into the query/key/value product's output after its
+bias) and one on the feed-forward intermediate after its activation (``{i}.si``). The folds stay exact: the key
+scale does not break the key bias's drop (q . (s * b_k) is still one constant per query), and the value bias folds
+into the attention-output bias scaled (attention weights sum to 1, so V's scale passes through them per feature).
+Like the gain banks, the scale banks exist only once a patch with scales has been loaded.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patches.bitfit import patch_parameters
+from patches.bitfit import ia3_base, patch_parameters
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -220,19 +227,25 @@ class PackedBert:
                         "i": p + "intermediate.dense.bias",
                         "f": p + "output.dense.bias",
                         "ln2": p + "output.LayerNorm.bias",
+                        "sk": p + "attention.self.key",  # (IA)^3 sites: modules whose outputs are scaled
+                        "sv": p + "attention.self.value",
+                        "si": p + "intermediate",
                     },
                 )
             )
         pooler = getattr(bert, "pooler", None)
         self.pooler_w: torch.Tensor | None = pooler.dense.weight.detach() if pooler is not None else None
         self.device, self.dtype = self.word.device, self.word.dtype
-        #: every bias and LayerNorm gain of the encoder at its base value, float32 (what a task that does not set it
-        #: gets)
+        #: every bias, LayerNorm gain and (IA)^3 scale of the encoder at its base value, float32 (what a task that does
+        #: not set it gets)
         self.base = {n: p.detach().float().clone() for n, p in patch_parameters(model).items()}
+        self.base.update({n: v.to(self.device) for n, v in ia3_base(model).items()})
         self.gain_names = frozenset(
             ["embeddings.LayerNorm.weight", *(layer.names[g] for layer in self.layers for g in ("g1", "g2"))]
         )
+        self.scale_names = frozenset(layer.names[s] for layer in self.layers for s in ("sk", "sv", "si"))
         self.gains = False  # whether the banks hold per-slot LayerNorm gains (once a patch with gains is loaded)
+        self.scales = False  # whether the banks hold per-slot (IA)^3 scales (once a patch with them is loaded)
         self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
         base = self.bank_values([{}])  # every slot starts as the base encoder
         self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}
@@ -240,7 +253,8 @@ class PackedBert:
     # --- banks ---------------------------------------------------------------------------------------------------
     def bank_values(self, tasks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Folded bank rows ``[K, D]`` (float32) of K tasks, from their biases (base values where a task has none).
-        The gain banks come too when this model holds them (``gains``) or a task sets a LayerNorm gain.
+        The gain banks come too when this model holds them (``gains``) or a task sets a LayerNorm gain; the scale
+        banks likewise (``scales``, a task that sets an (IA)^3 scale).
 
         The K tasks fold together: each fold through a weight is one ``[K, in] @ [in, out]`` product, so loading
         many patches at once (a cold batch, a preload) costs a few matrix products, not K matrix-vector ones."""
@@ -259,6 +273,7 @@ class PackedBert:
             vals["emb_g"] = get("embeddings.LayerNorm.weight")
             for i, layer in enumerate(self.layers):
                 vals[f"{i}.g1"], vals[f"{i}.g2"] = get(layer.names["g1"]), get(layer.names["g2"])
+        scaled = self.scales or any(not self.scale_names.isdisjoint(t) for t in tasks)
         carry = get("embeddings.LayerNorm.bias")  # the beta of the LayerNorm in front, not yet added
         if not self.fold_ln_bias:
             vals["emb_ln"] = carry
@@ -272,8 +287,12 @@ class PackedBert:
             bo = get(n["o"]) + carry  # the residual stream carries the normalised value without its beta
             if self.drop_key_bias:
                 bk = torch.zeros_like(bk)
-            if self.fold_value_bias:
-                bo = bo + mv(layer.wo, bv)
+            if scaled:
+                sk, sv = get(n["sk"]), get(n["sv"])
+                vals[f"{i}.s"] = torch.cat([torch.ones_like(sk), sk, sv], dim=1)
+                vals[f"{i}.si"] = get(n["si"])
+            if self.fold_value_bias:  # attention weights sum to 1: the scaled value bias passes through them
+                bo = bo + mv(layer.wo, bv * sv if scaled else bv)
                 bv = torch.zeros_like(bv)
             vals[f"{i}.qkv"], vals[f"{i}.o"] = torch.cat([bq, bk, bv], dim=1), bo
             b1 = get(n["ln1"])
@@ -297,15 +316,16 @@ class PackedBert:
         """Fold ``tasks``' biases and write them into bank rows ``slots`` (one per task)."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         values = self.bank_values(tasks)
-        if not self.gains and "emb_g" in values:  # the first patch with gains: every slot gets gain banks
-            self._add_gain_banks()
+        if not set(values) <= set(self.banks):  # the first patch with gains or scales: every slot gets their banks
+            self._add_banks(gains="emb_g" in values, scales="0.s" in values)
         for k, v in values.items():
             self.banks[k].index_copy_(0, index, v.to(self.dtype))
 
-    def _add_gain_banks(self) -> None:
-        """Give every slot LayerNorm gain banks at the base gains (which the slots loaded so far keep)."""
+    def _add_banks(self, *, gains: bool, scales: bool) -> None:
+        """Give every slot LayerNorm gain banks and / or (IA)^3 scale banks at their base values (which the slots
+        loaded so far keep)."""
         n_slots = next(iter(self.banks.values())).shape[0]
-        self.gains = True
+        self.gains, self.scales = self.gains or gains, self.scales or scales
         for k, v in self.bank_values([{}]).items():
             if k not in self.banks:
                 self.banks[k] = v.to(self.dtype).expand(n_slots, -1).contiguous()
@@ -365,10 +385,14 @@ class PackedBert:
         x = drop(norm(x, self.emb_g, "emb_g", "emb_ln", self.emb_eps))
         for i, layer in enumerate(self.layers):
             qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
+            if f"{i}.s" in banks:  # (IA)^3: keys and values scaled per row
+                qkv = qkv * bias(f"{i}.s")
             ctx = self._attend(qkv, b, attention, attention_dropout)
             y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
             x = norm(y + x, layer.g1, f"{i}.g1", f"{i}.ln1", layer.eps1)
             y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
+            if f"{i}.si" in banks:  # (IA)^3: the intermediate scaled per row
+                y = y * bias(f"{i}.si")
             y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()

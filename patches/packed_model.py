@@ -39,8 +39,8 @@ class PackedTaskModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids=None, run=None)`` -> logits, as TaskModel's.
 
     ``encoder`` is a BertModel (``patches.packed.packed_unsupported`` says which are not); ``heads`` holds each run's
-    initial head (its count is the number of runs); ``trained`` names the biases (and LayerNorm gains, for a
-    ``bitfit-ln`` patch) every run trains, initialised at
+    initial head (its count is the number of runs); ``trained`` names the biases (and LayerNorm gains or (IA)^3
+    scales, for a ``bitfit-ln`` or ``bitfit-ia3`` patch) every run trains, initialised at
     the encoder's values, or at ``start``'s where it has them (a contrastive stage's tuned biases). ``run`` gives
     each row's run (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other
     models (default: one of its own). ``pooled``: ``forward`` gives each row's pooled vector ``[B, H]`` instead of
@@ -68,7 +68,7 @@ class PackedTaskModel(nn.Module):
             raise ValueError("packed= must be a training_bert() of this encoder")
         unknown = sorted(set(trained) - set(base.base))
         if unknown:
-            raise ValueError(f"the encoder has no bias parameters {unknown[:5]}")
+            raise ValueError(f"the encoder has no biases, gains or (IA)^3 sites {unknown[:5]}")
         self._frozen = (encoder, base)  # a tuple, not submodules: their weights are not this module's parameters
         self.kind, self.pooling = kind, pooling
         self.trained = list(trained)
@@ -172,11 +172,13 @@ class PackedTaskModel(nn.Module):
         hidden = self.packed.hidden
         return pooled_and_logits[:, :hidden] if self.pooled else pooled_and_logits[:, hidden:]
 
-    def joint_key(self) -> tuple[int, float, float, bool, bool]:
+    def joint_key(self) -> tuple[int, float, float, bool, bool, bool]:
         """Models with equal keys encode their rows together (``joint_forward``): the same frozen weights, dropout
-        rates and mode, and alike in training LayerNorm gains or not (their banks have the same keys)."""
+        rates and mode, and alike in training LayerNorm gains and (IA)^3 scales or not (their banks have the same
+        keys)."""
         gains = not self.packed.gain_names.isdisjoint(self.trained)
-        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, gains
+        scales = not self.packed.scale_names.isdisjoint(self.trained)
+        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, gains, scales
 
     @torch.no_grad()
     def task_model(self, run: int) -> TaskModel:

@@ -67,42 +67,67 @@ def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_pa
     torch.testing.assert_close(alone, got[0], rtol=0, atol=1e-5)
 
 
-def _gain_banks(runner: Runner) -> int:
-    """How many per-slot LayerNorm gain banks the runner's engine holds."""
+def _scale_banks(runner: Runner, scales: str) -> int:
+    """How many per-slot LayerNorm gain banks (``layernorm``) or (IA)^3 scale banks (``ia3``) the engine holds."""
     if runner.packed is not None:
-        return sum(k == "emb_g" or k.endswith((".g1", ".g2")) for k in runner.packed.banks)
-    return sum(getattr(m, "gain", None) is not None for m in runner.model.modules())
+        suffixes = (".g1", ".g2") if scales == "layernorm" else (".s", ".si")
+        return sum(k == "emb_g" or k.endswith(suffixes) for k in runner.packed.banks)
+    attribute = "gain" if scales == "layernorm" else "scale"
+    return sum(getattr(m, attribute, None) is not None for m in runner.model.modules())
 
 
+@pytest.mark.parametrize("scales", ["layernorm", "ia3"])
+@pytest.mark.parametrize("simplify", [True, False], ids=["drop-k+fold-v", "plain-banks"])
 @pytest.mark.parametrize("engine", ["packed", "slotted"])
-def test_layernorm_gain_patches_serve_exactly_beside_bias_patches(tiny_bert_dir, tiny_encoder, task_patches, engine):
-    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=12, engine=engine)
+def test_scaled_patches_serve_exactly_beside_bias_patches(
+    tiny_bert_dir, tiny_encoder, task_patches, engine, simplify, scales
+):
+    """bitfit-ln (LayerNorm gains) and bitfit-ia3 ((IA)^3 scales on keys, values, intermediates) patches in mixed
+    batches with BitFit ones: every row as the plain model with that patch applied gives it."""
+    runner = Runner(
+        load_encoder(str(tiny_bert_dir)),
+        device="cpu",
+        slots=12,
+        engine=engine,
+        drop_key_bias=simplify,
+        fold_value_bias=simplify,
+    )
     rng = random.Random(1)
     plain_rows = [r for p in task_patches for r in _rows(tiny_encoder, p, [rng.choice(SENTENCES)])]
     before = runner.run(plain_rows)
-    assert _gain_banks(runner) == 0  # BitFit patches alone: every LayerNorm keeps the shared gain
-    gained = [
-        make_patch(tiny_encoder, "g-sent", seed=11, gain_scale=0.3),
-        make_patch(tiny_encoder, "g-pos", seed=12, kind="token-classification", gain_scale=0.3),
-        make_patch(tiny_encoder, "g-score", seed=13, kind="regression", pooling="pooler", gain_scale=0.3),
+    assert _scale_banks(runner, scales) == 0  # BitFit patches alone: nothing per slot but the biases
+    noise = {"gain_scale": 0.3} if scales == "layernorm" else {"ia3_scale": 0.3}
+    scaled = [
+        make_patch(tiny_encoder, "g-sent", seed=11, **noise),
+        make_patch(tiny_encoder, "g-pos", seed=12, kind="token-classification", **noise),
+        make_patch(tiny_encoder, "g-score", seed=13, kind="regression", pooling="pooler", **noise),
     ]
     rows = []
     for i in range(24):
-        rows += _rows(tiny_encoder, [*task_patches, *gained][i % 8], [rng.choice(SENTENCES)])
+        rows += _rows(tiny_encoder, [*task_patches, *scaled][i % 8], [rng.choice(SENTENCES)])
     rng.shuffle(rows)
     got = runner.run(rows)
-    assert _gain_banks(runner) == 1 + 2 * tiny_encoder.model.config.num_hidden_layers
+    layers = tiny_encoder.model.config.num_hidden_layers
+    if scales == "layernorm":
+        assert _scale_banks(runner, scales) == 1 + 2 * layers
+    else:  # the packed engine: a qkv scale and an intermediate one per layer; slotted: key, value, output.dense
+        assert _scale_banks(runner, scales) == (2 if engine == "packed" else 3) * layers
     for row, out in zip(rows, got, strict=True):
         torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
-    # the slots loaded before the gain banks existed keep the shared gains
+    # the slots loaded before the scale banks existed keep the shared gains / no scale
     for was, now in zip(before, runner.run(plain_rows), strict=True):
         torch.testing.assert_close(now, was, rtol=0, atol=1e-5)
-    # the gains matter: the same patch without them answers otherwise
-    row = next(r for r in rows if r.patch is gained[0])
-    without = replace(gained[0], meta=replace(gained[0].meta, patch_type="bitfit"), scales={})
+    # the scales matter: the same patch without them answers otherwise
+    row = next(r for r in rows if r.patch is scaled[0])
+    without = replace(scaled[0], meta=replace(scaled[0].meta, patch_type="bitfit"), scales={})
     assert (
         _reference(tiny_encoder.model, row.patch, row) - _reference(tiny_encoder.model, without, row)
     ).abs().max() > 1e-2
+    # a slot that held a scaled patch and is loaded with a BitFit one serves it unscaled
+    small = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=1, engine=engine)
+    for patch in (scaled[0], task_patches[0], scaled[1]):
+        row = _rows(tiny_encoder, patch, ["the movie was good"])[0]
+        torch.testing.assert_close(small.run([row])[0], _reference(tiny_encoder.model, patch, row), rtol=0, atol=1e-5)
 
 
 def test_two_patches_give_different_outputs(tiny_bert_dir, tiny_encoder):
@@ -172,10 +197,11 @@ def test_default_minilm_mixed_batch(minilm):
     patches = [
         make_patch(minilm, "a", seed=1, scale=0.05),
         make_patch(minilm, "b", seed=2, scale=0.05, subset="query-intermediate"),
+        make_patch(minilm, "c", seed=3, scale=0.05, ia3_scale=0.1),  # a bitfit-ia3 patch
     ]
     rows = []
-    for i, text in enumerate(["A plane is taking off.", "What is the capital of Chile?", "Great film!"]):
-        rows += _rows(minilm, patches[i % 2], [text])
+    for i, text in enumerate(["A plane is taking off.", "What is the capital of Chile?", "Great film!"] * 2):
+        rows += _rows(minilm, patches[i % 3], [text])
     for row, out in zip(rows, runner.run(rows), strict=True):
         torch.testing.assert_close(out, _reference(minilm.model, row.patch, row), rtol=0, atol=1e-4)
 

@@ -248,10 +248,36 @@ def test_a_patch_with_layernorm_gains_round_trips(tiny_encoder):
     loaded.check_compatible(tiny_encoder.spec)
 
 
+def test_a_patch_with_ia3_scales_round_trips_and_keeps_to_its_kind(tiny_encoder):
+    patch = make_patch(tiny_encoder, ia3_scale=0.2)
+    layers = tiny_encoder.model.config.num_hidden_layers
+    assert patch.meta.patch_type == "bitfit-ia3" and len(patch.scales) == 3 * layers
+    assert "encoder.layer.0.attention.self.key" in patch.scales and "encoder.layer.1.intermediate" in patch.scales
+    loaded = Patch.from_bytes(patch.data)
+    assert loaded.patch_id == patch.patch_id and all(
+        torch.equal(loaded.scales[n], patch.scales[n]) for n in patch.scales
+    )
+    loaded.check_compatible(tiny_encoder.spec)
+    gains = make_patch(tiny_encoder, gain_scale=0.2)
+    as_ia3 = json.loads(gains.meta.to_json()) | {"patch_type": "bitfit-ia3"}
+    with pytest.raises(PatchKeysError, match=r"'bitfit-ia3' patch holds \(IA\)\^3 scales .*LayerNorm\.weight"):
+        Patch.from_bytes(_raw(gains, meta=as_ia3))  # LayerNorm gains are not (IA)^3 scales
+    as_ln = json.loads(patch.meta.to_json()) | {"patch_type": "bitfit-ln"}
+    with pytest.raises(PatchKeysError, match=r"'bitfit-ln' patch holds LayerNorm gains"):
+        Patch.from_bytes(_raw(patch, meta=as_ln))
+    wrong = dict(tiny_encoder.spec.scale_shapes) | {"encoder.layer.0.intermediate": (3,)}
+    with pytest.raises(PatchShapeError, match="encoder's has"):
+        patch.check_compatible(replace(tiny_encoder.spec, scale_shapes=wrong))
+    renamed = _tensors(patch)
+    renamed["scale.encoder.layer.0.attention.self.query"] = renamed.pop("scale.encoder.layer.0.attention.self.key")
+    with pytest.raises(PatchKeysError, match="neither a LayerNorm gain nor an"):
+        Patch.from_bytes(_raw(patch, tensors=renamed)).check_compatible(tiny_encoder.spec)
+
+
 def test_layernorm_gains_need_their_patch_type_and_fit_the_encoder(tiny_encoder):
     patch = make_patch(tiny_encoder, gain_scale=0.2)
     plain_meta = json.loads(patch.meta.to_json()) | {"patch_type": "bitfit"}
-    with pytest.raises(PatchKeysError, match=r"'bitfit' patch has no 'scale\.<param>' tensors"):
+    with pytest.raises(PatchKeysError, match=r"'bitfit' patch has no 'scale\.<name>' tensors"):
         Patch.from_bytes(_raw(patch, meta=plain_meta))  # a BitFit patch may not carry gains
     without = {k: v for k, v in _tensors(patch).items() if not k.startswith("scale.")}
     with pytest.raises(PatchKeysError, match="'bitfit-ln' patch needs"):
@@ -265,9 +291,13 @@ def test_layernorm_gains_need_their_patch_type_and_fit_the_encoder(tiny_encoder)
     poisoned[0] = float("nan")
     with pytest.raises(PatchValueError, match="NaN or Inf"):
         Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: poisoned}))
-    bias_as_gain = Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense.bias": torch.ones(32)}))
-    with pytest.raises(PatchKeysError, match="not LayerNorm gains of this encoder"):
-        bias_as_gain.check_compatible(tiny_encoder.spec)
+    with pytest.raises(PatchKeysError, match=r"'bitfit-ln' patch holds LayerNorm gains .*pooler\.dense\.bias"):
+        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense.bias": torch.ones(32)}))
+    weight_as_gain = Patch.from_bytes(
+        _raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense.weight": torch.ones(32)})
+    )
+    with pytest.raises(PatchKeysError, match="neither a LayerNorm gain nor an"):
+        weight_as_gain.check_compatible(tiny_encoder.spec)
     short = Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: torch.ones(7)}))
     with pytest.raises(PatchShapeError, match=r"scale .* has shape \(7,\), the encoder's has"):
         short.check_compatible(tiny_encoder.spec)

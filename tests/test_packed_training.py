@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from patches.bitfit import patch_parameters, scale_names, target_names
+from patches.bitfit import apply_values, ia3_base, ia3_sites, patch_parameters, scale_names, target_names
 from patches.model import TaskModel
 from patches.packed import add_exact_attention, dropout, keep_mask
 from patches.packed_model import PackedTaskModel, joint_forward, training_bert
@@ -42,6 +42,9 @@ CASES = {  # kind, pooling, bias subset, outputs, scales
     "gains-classification": ("classification", "mean", "all", 3, "layernorm"),
     "gains-tagging": ("token-classification", "mean", "all", 4, "layernorm"),
     "gains-pooler": ("regression", "pooler", "query-intermediate", 1, "layernorm"),
+    "ia3-classification": ("classification", "mean", "all", 3, "ia3"),
+    "ia3-tagging": ("token-classification", "cls", "all", 4, "ia3"),
+    "ia3-pooler": ("regression", "pooler", "query-intermediate", 1, "ia3"),
 }
 
 
@@ -86,11 +89,18 @@ def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
     _set_dropout(padded.encoder, 0.0)
     padded.train()
     padded.requires_grad_(False)
-    params = patch_parameters(padded.encoder)
+    params: dict[str, torch.Tensor] = dict(patch_parameters(padded.encoder))
+    start = {}
+    if scales == "ia3":  # (IA)^3 scales away from 1 (so the value fold carries one), differentiable in the hooks
+        g = torch.Generator().manual_seed(2)
+        start = {n: v + 0.2 * torch.randn(v.shape, generator=g) for n, v in ia3_base(encoder).items()}
+        apply_values(padded.encoder, start)
+        for name, module in ia3_sites(padded.encoder).items():
+            params[name] = module.ia3_scale
     for name in trained:
         params[name].requires_grad_(True)
     padded.head.requires_grad_(True)
-    packed = PackedTaskModel(encoder, [head], kind, pooling, trained).train()
+    packed = PackedTaskModel(encoder, [head], kind, pooling, trained, start=start).train()
 
     batch = _batch(tiny_encoder.tokenizer, kind, n_out)
     args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
@@ -100,8 +110,8 @@ def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
     loss_fn(kind, want, batch["labels"]).backward()
     loss_fn(kind, got, batch["labels"]).backward()
     biases, (head_w, head_b) = packed.run_parameters(0)
-    if scales != "none":  # every gain is trained and gets a gradient from both models
-        gains = [n for n in trained if n.endswith("LayerNorm.weight")]
+    if scales != "none":  # every gain (scale) is trained and gets a gradient from both models
+        gains = [n for n in trained if n.endswith("LayerNorm.weight") or n in ia3_sites(encoder)]
         assert gains and all(params[n].grad is not None and params[n].grad.abs().max() > 0 for n in gains)
     for name, p in zip(trained, biases, strict=True):
         # None counts as zero: the key bias gets no gradient from the packed model (it is dropped: softmax ignores

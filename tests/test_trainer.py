@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from patches.bitfit import bias_parameters, scale_parameters, target_names
+from patches.bitfit import bias_parameters, ia3_sites, scale_parameters, target_names
 from patches.data import DataError, DataFile, load_dataset, load_splits, split_dev
 from patches.format import Patch
 from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
@@ -717,12 +717,45 @@ def test_scales_layernorm_trains_every_gain_too_and_the_patch_serves_as_trained(
         torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
 
 
+def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_as_trained(
+    tmp_path, tiny_bert_dir, tiny_encoder
+):
+    from patches.encoder import load_encoder
+    from server.engine.runner import Row, Runner
+
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    before = {n: p.detach().clone() for n, p in tiny_encoder.model.named_parameters()}
+    result = train_patch(tiny_encoder, train, dev, _config(scales="ia3", min_steps=20))
+    patch = result.patch
+    assert patch is not None and patch.meta.patch_type == "bitfit-ia3" and result.report["scales"] == "ia3"
+    sites = set(ia3_sites(tiny_encoder.model))
+    assert set(patch.scales) == sites and set(patch.biases) == set(target_names(tiny_encoder.model, "all"))
+    assert all(not torch.equal(patch.scales[n], torch.ones_like(patch.scales[n])) for n in sites), "a scale is 1"
+    assert all(torch.equal(p, before[n]) for n, p in tiny_encoder.model.named_parameters()), "input encoder touched"
+    assert not any(hasattr(m, "ia3_scale") for m in tiny_encoder.model.modules()), "input encoder hooked"
+    assert result.report["trainable_params"] == patch.n_params
+    moved = result.report["scale_movement"]
+    assert set(moved) == {"key", "value", "intermediate"} and set(moved["key"]) == {"0", "1"} and moved["key"]["0"] > 0
+    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 32)
+    served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(
+        [Row(f.input_ids, f.token_type_ids, patch) for f in feats]
+    )
+    result.model.eval()
+    for f, out in zip(feats, served, strict=True):
+        ids = torch.tensor([f.input_ids])
+        with torch.no_grad():
+            want = result.model(ids, torch.ones_like(ids), torch.tensor([f.token_type_ids]))[0]
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\(IA\)\^3 scales train on the packed model"):
+        train_patch(tiny_encoder, train, dev, _config(scales="ia3", min_steps=20), packed=False)
+
+
 def test_scales_are_checked_and_refused_with_full_fine_tuning():
     assert TrainConfig(task="t").scales == "none"
     with pytest.raises(JobError, match="drop scales or full"):
         TrainConfig.from_dict({"task": "t", "scales": "layernorm", "full": True})
     with pytest.raises(JobError, match="scales"):
-        TrainConfig.from_dict({"task": "t", "scales": "ia3"})
+        TrainConfig.from_dict({"task": "t", "scales": "lora"})
 
 
 def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_bert_dir, capsys):
@@ -737,5 +770,5 @@ def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_
     info = json.loads(capsys.readouterr().out)
     assert info["patch_type"] == "bitfit-ln" and info["n_scale_tensors"] == 5 and info["n_bias_tensors"] == 18
     with pytest.raises(SystemExit):
-        main([*argv, "--train", str(rows), "--scales", "ia3", "--out", str(out)])
-    assert "invalid choice: 'ia3'" in capsys.readouterr().err
+        main([*argv, "--train", str(rows), "--scales", "lora", "--out", str(out)])
+    assert "invalid choice: 'lora'" in capsys.readouterr().err

@@ -49,8 +49,10 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--scales",
         default="none",
         choices=list(SCALES),
-        help="what trains besides the biases: none (a bitfit patch, the default) or layernorm (every LayerNorm's "
-        "gain too: a bitfit-ln patch, 13 more vectors on MiniLM, served at a bias's cost in the same mixed batches)",
+        help="what trains besides the biases: none (a bitfit patch, the default), layernorm (every LayerNorm's "
+        "gain too: a bitfit-ln patch, 13 more vectors on MiniLM) or ia3 ((IA)^3 scales on every layer's keys, values "
+        "and feed-forward intermediate: a bitfit-ia3 patch, 18 more vectors on MiniLM, BERT encoders); both are "
+        "served at a bias's cost in the same mixed batches",
     )
     p.add_argument("--epochs", type=float, help="passes over the training data (default 10 for BitFit, 5 with --full)")
     p.add_argument(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from patches.bitfit import (
     bias_parameters,
     bias_roles,
     extract_patch,
+    ia3_values,
     patch_parameters,
     scale_parameters,
     trained_names,
@@ -689,6 +691,19 @@ def bias_movement(trained: nn.Module, base: nn.Module, *, gains: bool = False) -
     return out
 
 
+def scale_movement(trained: nn.Module) -> dict[str, dict[str, float]]:
+    """mean |s - 1| of each (IA)^3 scale of a plain model (``apply_values`` set them), by site (key, value,
+    intermediate) and layer."""
+    out: dict[str, dict[str, float]] = {}
+    for name, scale in ia3_values(trained).items():
+        match = re.search(r"layer\.(\d+)\.", name)
+        site = name.rsplit(".", 1)[-1]
+        out.setdefault(site, {})[match.group(1) if match else "-"] = float(
+            (scale.detach().cpu().float() - 1).abs().mean()
+        )
+    return out
+
+
 class PatchTraining:
     """One job's training, an update at a time: what ``train_patch`` does, in pieces, so that several jobs can
     train in one batch (``JointTrainer``). ``finish()`` builds the result once every run has trained.
@@ -754,6 +769,9 @@ class PatchTraining:
         if packed and unsupported:
             raise ValueError(f"packed training is not possible: {unsupported}")
         self.packed = unsupported is None if packed is None else packed
+        if config.scales == "ia3" and not self.packed:
+            why = unsupported or "packed=False"
+            raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
         rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
             why = unsupported or "packed=False"
@@ -890,8 +908,10 @@ class PatchTraining:
         source = merged[best_index] if merged is not None else shown_runs[best_index]
         report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
-        if not config.full and config.scales != "none":
+        if not config.full and config.scales == "layernorm":
             report["gain_movement"] = bias_movement(model.encoder, encoder.model, gains=True)
+        if not config.full and config.scales == "ia3":
+            report["scale_movement"] = scale_movement(model.encoder)
         del models, chosen  # the other runs' models
         self._models, self._moved = [], None
         if config.full:

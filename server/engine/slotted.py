@@ -9,10 +9,16 @@ Two exact simplifications (ARCHITECTURE.md, "The one idea"), applied when the ar
 * key bias b_k adds q.b_k to every score of a query row; softmax is shift-invariant, so it is dropped;
 * value bias b_v passes through attention unchanged (the weights of a row sum to 1), so it folds into the
   attention-output bias: b_o' = b_o + W_o b_v, computed once when a patch is loaded into a slot.
+
+A ``bitfit-ia3`` patch's (IA)^3 scales are per-row multiplies on slotted Linears too, once such a patch is loaded: the
+key and value projections' outputs (after their bias, so both simplifications stay exact: b_o' = b_o + W_o (s_v b_v)),
+and the feed-forward intermediate's output as the *input* of the output projection that reads it (W (s h) is the
+scaled intermediate's product).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -20,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patches.bitfit import bias_roles
+from patches.bitfit import IA3_RULES, bias_roles, ia3_sites
 from patches.errors import EncoderError, PatchKeysError
 
 
@@ -39,19 +45,36 @@ class SlotIndex:
 
 
 class SlottedLinear(nn.Module):
-    """y = x W^T + bank[row]. ``bank`` None means no bias at all (the dropped key bias, the folded value bias)."""
+    """y = x W^T + bank[row]. ``bank`` None means no bias at all (the dropped key bias, the folded value bias).
+
+    Where it is an (IA)^3 site (``scale_name``), ``scale`` [S, D] multiplies its output per row (after the bias), or
+    its input (``scale_input``: the feed-forward intermediate's scale, on the projection that reads it), once a
+    patch with (IA)^3 scales is loaded."""
 
     def __init__(self, linear: nn.Linear, index: SlotIndex, bank: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = linear.weight
         self.index = index
         self.bank = bank  # [S, out] or None
+        self.scale_name: str | None = None  # the (IA)^3 site it serves, as patches name it
+        self.scale_input = False
+        self.scale: torch.Tensor | None = None  # [S, out] (or [S, in] for an input scale) once loaded
+
+    def add_scale_bank(self, n_slots: int) -> None:
+        """Every slot gets its own scale, ones to begin with (the slots loaded so far keep the unscaled module)."""
+        if self.scale is None:
+            width = self.weight.shape[1 if self.scale_input else 0]
+            self.scale = self.weight.new_ones(n_slots, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None and self.scale_input:
+            x = x * self.index.gather(self.scale, x)
         y = F.linear(x, self.weight)  # [B, ..., out]
-        if self.bank is None:
-            return y
-        return y + self.index.gather(self.bank, y)
+        if self.bank is not None:
+            y = y + self.index.gather(self.bank, y)
+        if self.scale is not None and not self.scale_input:
+            y = y * self.index.gather(self.scale, y)
+        return y
 
 
 class SlottedLayerNorm(nn.Module):
@@ -118,6 +141,7 @@ def install_slots(
     if not roles:
         drop_key_bias = fold_value_bias = False
     by_role_layer = {(r.role, r.layer): n for n, r in roles.items()}
+    ia3 = list(ia3_sites(model)) if roles else []
     index = SlotIndex()
     sites: dict[str, BiasSite] = {}
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.LayerNorm)]
@@ -142,6 +166,14 @@ def install_slots(
             site.fold_from = by_role_layer.get(("v", role.layer))
             site.fold_weight = mod.weight.detach()
         sites[name] = site
+    rules = [re.compile(rx) for rx in IA3_RULES.get(str(getattr(getattr(model, "config", None), "model_type", "")), ())]
+    for ia3_name in ia3:  # (IA)^3 sites: the key's and value's Linear, the Linear that reads the intermediate
+        for site_role, rx in zip(("k", "v", "m3"), rules, strict=True):
+            m = rx.fullmatch(ia3_name)
+            bias_name = by_role_layer.get((site_role, int(m.group(1)))) if m else None
+            linear = sites[bias_name].module if bias_name is not None else None
+            if isinstance(linear, SlottedLinear):
+                linear.scale_name, linear.scale_input = ia3_name, site_role == "m3"
     for site in sites.values():  # every slot starts as the base model, folded b_v included
         if site.fold_from is not None and site.bank is not None:
             with torch.no_grad():
@@ -149,11 +181,20 @@ def install_slots(
     return index, sites
 
 
-def _folded(site: BiasSite, sites: Mapping[str, BiasSite], b_o: torch.Tensor, b_v: torch.Tensor | None) -> torch.Tensor:
-    """b_o' = b_o + W_o b_v (base b_v where the task has none), in float32, cast to the bank's dtype."""
+def _folded(
+    site: BiasSite,
+    sites: Mapping[str, BiasSite],
+    b_o: torch.Tensor,
+    b_v: torch.Tensor | None,
+    s_v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """b_o' = b_o + W_o (s_v b_v) (base b_v where the task has none; ``s_v`` the value's (IA)^3 scale, if any), in
+    float32, cast to the bank's dtype."""
     assert site.fold_from is not None and site.fold_weight is not None
-    v = sites[site.fold_from].base if b_v is None else b_v
-    return (b_o.float() + site.fold_weight.float() @ v.float()).to(site.base.dtype)
+    v = (sites[site.fold_from].base if b_v is None else b_v).float()
+    if s_v is not None:
+        v = v * s_v.float()
+    return (b_o.float() + site.fold_weight.float() @ v).to(site.base.dtype)
 
 
 @torch.no_grad()
@@ -163,18 +204,30 @@ def write_slot(
     biases: Mapping[str, torch.Tensor],
     scales: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Load a task's biases (and LayerNorm gains) into ``slot`` of every bank (base values where it has none)."""
-    norms = {m.gain_name: m for m in (s.module for s in sites.values()) if isinstance(m, SlottedLayerNorm)}
+    """Load a task's biases (and LayerNorm gains or (IA)^3 scales) into ``slot`` of every bank (base values where it
+    has none)."""
+    modules = [s.module for s in sites.values()]
+    norms = {m.gain_name: m for m in modules if isinstance(m, SlottedLayerNorm)}
+    linears = {m.scale_name: m for m in modules if isinstance(m, SlottedLinear) and m.scale_name is not None}
     scales = scales or {}
-    unknown = sorted(set(scales) - set(norms))
+    unknown = sorted(set(scales) - set(norms) - set(linears))
     if unknown:
-        raise PatchKeysError(f"this engine has no LayerNorm with a bias for the gains {unknown[:5]}")
+        raise PatchKeysError(f"this engine has no LayerNorm with a bias or (IA)^3 site for the scales {unknown[:5]}")
     for norm in norms.values():
-        if scales:
+        if not set(scales).isdisjoint(norms):
             norm.add_gain_bank()
         if norm.gain is not None:
             value = scales.get(norm.gain_name)
             norm.gain[slot].copy_(norm.weight if value is None else value.to(norm.gain.device, norm.gain.dtype))
+    for name, linear in linears.items():
+        if not set(scales).isdisjoint(linears):
+            linear.add_scale_bank(next(s.bank for s in sites.values() if s.bank is not None).shape[0])
+        if linear.scale is not None:
+            value = scales.get(name)
+            if value is None:
+                linear.scale[slot].fill_(1.0)
+            else:
+                linear.scale[slot].copy_(value.to(linear.scale.device, linear.scale.dtype))
     for site in sites.values():
         if not site.served or site.bank is None:
             continue
@@ -182,5 +235,7 @@ def write_slot(
         value = site.base if value is None else value.to(site.base.device, site.base.dtype)
         if site.fold_from is not None:
             b_v = biases.get(site.fold_from)
-            value = _folded(site, sites, value, None if b_v is None else b_v.to(site.base.device))
+            v_linear = sites[site.fold_from].module
+            s_v = v_linear.scale[slot] if isinstance(v_linear, SlottedLinear) and v_linear.scale is not None else None
+            value = _folded(site, sites, value, None if b_v is None else b_v.to(site.base.device), s_v)
         site.bank[slot].copy_(value)
