@@ -15,7 +15,9 @@ every iteration so drift hits all alike:
 * engine: the runner, every row with its own task's biases and head in one forward;
 * engine_ln: a second runner whose tasks are ``bitfit-ln`` patches (the same biases and heads, plus every
   LayerNorm's gain), so every row also multiplies in its own gains: what the opt-in patch kind costs to serve
-  (``ratio_ln_vs_engine``, its time over the engine's).
+  (``ratio_ln_vs_engine``, its time over the engine's);
+* engine_ia3: likewise with ``bitfit-ia3`` patches (the same biases and heads, plus (IA)^3 scales on every layer's
+  keys, values and intermediate): ``ratio_ia3_vs_engine``.
 
 Times are medians over the iterations (host tensors in, host logits out, device synchronised); the engine is also
 timed pipelined, as the server's batcher runs it (the next batch launched before the previous one is finished).
@@ -52,7 +54,8 @@ from patches.synthetic import random_patch
 from server.engine.runner import Row, Runner
 
 OUT = ROOT / "docs" / "benchmarks"
-PATHS = ("plain", "naive", "engine", "engine_ln")
+PATHS = ("plain", "naive", "engine", "engine_ln", "engine_ia3")
+TWINS = {"engine_ln": {"gain_scale": 0.05}, "engine_ia3": {"ia3_scale": 0.05}}  # a scaled path: its patches' noise
 
 
 class Paths:
@@ -81,19 +84,29 @@ class Paths:
             p.patch_id: (p.head_weight.to(self.device, self.dtype), p.head_bias.to(self.device, self.dtype))
             for p in self.patches
         }
-        self.runner_ln = Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
-        self.ln_of = {  # each task's bitfit-ln twin: the same seed, so the same biases and head, plus gains
-            p.patch_id: random_patch(
-                self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, gain_scale=0.05
-            )
-            for i, p in enumerate(self.patches)
+        # each scaled path's runner, and each task's twin there: the same seed, so the same biases and head, plus
+        # gains (bitfit-ln) or (IA)^3 scales (bitfit-ia3)
+        self.twin_runners = {
+            path: Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
+            for path in TWINS
         }
-        # each batch's rows with their bitfit-ln twins, by the batch list's id; the list is kept with them, so the id
+        self.twin_of = {
+            path: {
+                p.patch_id: random_patch(
+                    self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, **noise
+                )
+                for i, p in enumerate(self.patches)
+            }
+            for path, noise in TWINS.items()
+        }
+        # each batch's rows with their twins, by path and the batch list's id; the list is kept with them, so the id
         # cannot be reused by a later batch while the entry stands
-        self._ln_rows: dict[int, tuple[list[Row], list[Row]]] = {}
+        self._twin_rows: dict[tuple[str, int], tuple[list[Row], list[Row]]] = {}
         for i in range(0, n_tasks, 128):  # every task resident: the steady state, not slot loading
             self.runner.run([Row([101, 102], [0, 0], p) for p in self.patches[i : i + 128]])
-            self.runner_ln.run([Row([101, 102], [0, 0], self.ln_of[p.patch_id]) for p in self.patches[i : i + 128]])
+            for path, runner in self.twin_runners.items():
+                twins = self.twin_of[path]
+                runner.run([Row([101, 102], [0, 0], twins[p.patch_id]) for p in self.patches[i : i + 128]])
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -140,12 +153,19 @@ class Paths:
     def run_engine(self, rows: list[Row]) -> None:
         self.runner.run(rows)
 
-    def run_engine_ln(self, rows: list[Row]) -> None:
-        cached = self._ln_rows.get(id(rows))
+    def run_twins(self, path: str, rows: list[Row]) -> None:
+        """The scaled path ``path``: the same rows, each with its task's twin patch, on that path's runner."""
+        cached = self._twin_rows.get((path, id(rows)))
         if cached is None:  # built on the untimed first pass over a batch
-            twins = [Row(r.input_ids, r.token_type_ids, self.ln_of[r.key], r.output) for r in rows]
-            cached = self._ln_rows[id(rows)] = (rows, twins)
-        self.runner_ln.run(cached[1])
+            twins = [Row(r.input_ids, r.token_type_ids, self.twin_of[path][r.key], r.output) for r in rows]
+            cached = self._twin_rows[(path, id(rows))] = (rows, twins)
+        self.twin_runners[path].run(cached[1])
+
+    def run_engine_ln(self, rows: list[Row]) -> None:
+        self.run_twins("engine_ln", rows)
+
+    def run_engine_ia3(self, rows: list[Row]) -> None:
+        self.run_twins("engine_ia3", rows)
 
     def fns(self) -> dict[str, Callable[[list[Row]], None]]:
         return {
@@ -153,6 +173,7 @@ class Paths:
             "naive": self.run_naive,
             "engine": self.run_engine,
             "engine_ln": self.run_engine_ln,
+            "engine_ia3": self.run_engine_ia3,
         }
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
@@ -229,10 +250,12 @@ def measure(
         "ratio_vs_plain": round(med["plain"] / med["engine"], 3),
         "ratio_vs_naive": round(med["naive"] / med["engine"], 3),
         "ratio_ln_vs_engine": round(med["engine_ln"] / med["engine"], 3),
+        "ratio_ia3_vs_engine": round(med["engine_ia3"] / med["engine"], 3),
         "ops_engine": paths.count_ops(paths.run_engine, rows),
         "ops_plain": paths.count_ops(paths.run_plain, rows),
         "ops_naive": paths.count_ops(paths.run_naive, rows),
         "ops_engine_ln": paths.count_ops(paths.run_engine_ln, rows),
+        "ops_engine_ia3": paths.count_ops(paths.run_engine_ia3, rows),
     }
 
 
@@ -275,6 +298,7 @@ def render(jsonl: Path) -> None:
         "show the latest of each). rows/s: median over the iterations; `vs plain` / `vs naive`: the engine's",
         "throughput over that path's on the same rows; `bitfit-ln time / engine`: the engine's time on the same",
         "rows when every task is a bitfit-ln patch (biases plus LayerNorm gains), over its time with BitFit patches;",
+        "`bitfit-ia3 time / engine` likewise with bitfit-ia3 patches (biases plus (IA)^3 scales);",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -284,15 +308,16 @@ def render(jsonl: Path) -> None:
             f"## {dev} ({mine[0]['dtype']}, torch {mine[0]['torch']})",
             "",
             "| tasks | dist | batch | plain rows/s | naive rows/s | engine rows/s | vs plain | vs naive "
-            "| ops plain | ops naive | ops engine | bitfit-ln time / engine |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| ops plain | ops naive | ops engine | bitfit-ln time / engine | bitfit-ia3 time / engine |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(mine, key=lambda r: (r["tasks"], r["dist"], r["batch"])):
             ln = f"{r['ratio_ln_vs_engine']:.3f}" if "ratio_ln_vs_engine" in r else "-"  # lines from before engine_ln
+            ia3 = f"{r['ratio_ia3_vs_engine']:.3f}" if "ratio_ia3_vs_engine" in r else "-"
             lines.append(
                 f"| {r['tasks']} | {r['dist']} | {r['batch']} | {r['rows_per_s_plain']:.0f} | "
                 f"{r['rows_per_s_naive']:.0f} | {r['rows_per_s_engine']:.0f} | {r['ratio_vs_plain']:.2f}x | "
-                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ln} |"
+                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ln} | {ia3} |"
             )
         lines.append("")
     lines += goals(rows)

@@ -377,7 +377,7 @@ def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_rea
         ({"contrastive": -1}, "contrastive: Input should be greater than or equal to 0"),
         ({"contrastive": 2, "full": True}, "contrastive trains biases only"),
         ({"contrastive": 2, "kind": "regression"}, "contrastive pairs rows by their label"),
-        ({"scales": "ia3"}, "scales: Input should be 'none' or 'layernorm'"),
+        ({"scales": "lora"}, "scales: Input should be 'none', 'layernorm' or 'ia3'"),
         ({"scales": "layernorm", "full": True}, "full fine-tuning trains every weight; drop scales or full"),
     ],
 )
