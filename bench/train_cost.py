@@ -10,7 +10,8 @@ it: patches/packed_model.py), ``padded`` (BitFit on the plain padded model, as i
 weight). Each is the trainer's own step: collate, forward, loss, backward, gradient clipping, AdamW. Per run: the
 median seconds per update, and the memory the updates add on top of the loaded model (peak resident set size
 during the updates minus before them on the CPU; peak allocated bytes on CUDA). ``update_ratio`` is BitFit
-(packed) / full and ``speedup_packed`` padded / packed.
+(packed) / full and ``speedup_packed`` padded / packed. ``packed-ia3`` is the packed model training a ``bitfit-ia3``
+patch (biases plus (IA)^3 scales, ``--scales ia3``): ``ia3_vs_packed`` is its update's time over BitFit's.
 
 Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
 of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
@@ -50,7 +51,7 @@ from patches.packed_model import PackedTaskModel
 from trainer.train import collate, featurize, loss_fn, packed_task_model, train_patch, trainable_parameters
 
 OUT = ROOT / "docs" / "benchmarks"
-MODES = ("packed", "padded", "full")
+MODES = ("packed", "padded", "full", "packed-ia3")
 RUN_MODES = ("run-bitfit", "run-padded", "run-full")
 JOB_MODES = ("jobs-1", "jobs-k")
 DATA = ROOT.parent / "shared" / "data" / "rotten_tomatoes"
@@ -90,10 +91,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ds = load_dataset(args.data)
     labels = sorted({str(e.label) for e in ds.examples})
     feats = featurize(encoder.tokenizer, ds, labels, 128)
-    config = TrainConfig(task="cost", full=args.child == "full")
+    config = TrainConfig(task="cost", full=args.child == "full", scales="ia3" if args.child == "packed-ia3" else "none")
     head = torch.nn.Linear(encoder.hidden_size, len(labels))
     model: TaskModel | PackedTaskModel
-    if args.child == "packed":  # the trainer's own packed model
+    if args.child in ("packed", "packed-ia3"):  # the trainer's own packed model
         model = packed_task_model(encoder.model.to(device), [head], ds.kind, "mean", config)
         params = [p for group in model.run_parameters(0) for p in group]
     else:
@@ -275,6 +276,8 @@ def main() -> None:
         "ms_update_padded": round(med["padded"]["s_per_update"] * 1e3, 1),
         "ms_per_update_full": round(med["full"]["s_per_update"] * 1e3, 1),
         "speedup_packed": round(med["padded"]["s_per_update"] / med["packed"]["s_per_update"], 2),
+        "ms_update_packed_ia3": round(med["packed-ia3"]["s_per_update"] * 1e3, 1),
+        "ia3_vs_packed": round(med["packed-ia3"]["s_per_update"] / med["packed"]["s_per_update"], 3),
         "update_ratio": round(med["packed"]["s_per_update"] / med["full"]["s_per_update"], 3),
         "update_ratio_padded": round(med["padded"]["s_per_update"] / med["full"]["s_per_update"], 3),
         "memory_mb_packed": round(med["packed"]["memory_bytes"] / 2**20, 1),

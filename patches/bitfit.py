@@ -71,13 +71,14 @@ BIAS_SUBSETS: dict[str, tuple[str, ...] | None] = {
 #: scales on every layer's keys, values and feed-forward intermediate), by patch type
 SCALES: dict[str, str] = {"none": PATCH_TYPE, "layernorm": SCALED_PATCH_TYPE, "ia3": IA3_PATCH_TYPE}
 
-#: model_type -> regexes over module names: the modules whose outputs an (IA)^3 patch scales (keys, values, the
-#: feed-forward intermediate after its activation)
-IA3_RULES: dict[str, tuple[str, ...]] = {
-    "bert": (_L + r"attention\.self\.key", _L + r"attention\.self\.value", _L + r"intermediate"),
-    "roberta": (_L + r"attention\.self\.key", _L + r"attention\.self\.value", _L + r"intermediate"),
-    "xlm-roberta": (_L + r"attention\.self\.key", _L + r"attention\.self\.value", _L + r"intermediate"),
-    "mpnet": (_L + r"attention\.attn\.k", _L + r"attention\.attn\.v", _L + r"intermediate"),
+#: model_type -> (IA)^3 role -> regex over module names: the modules whose outputs an (IA)^3 patch scales: "k" and
+#: "v" the key and value projections, "ff" the feed-forward intermediate (after its activation)
+_BERT_IA3 = {"k": _L + r"attention\.self\.key", "v": _L + r"attention\.self\.value", "ff": _L + r"intermediate"}
+IA3_RULES: dict[str, dict[str, str]] = {
+    "bert": _BERT_IA3,
+    "roberta": _BERT_IA3,
+    "xlm-roberta": _BERT_IA3,
+    "mpnet": {"k": _L + r"attention\.attn\.k", "v": _L + r"attention\.attn\.v", "ff": _L + r"intermediate"},
 }
 
 
@@ -113,12 +114,24 @@ def scale_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
     }
 
 
-def ia3_sites(encoder: nn.Module) -> dict[str, nn.Module]:
-    """The modules whose outputs an (IA)^3 patch scales, by module name, in the encoder's order (none for an
-    architecture without ``IA3_RULES``)."""
+def ia3_roles(encoder: nn.Module) -> dict[str, BiasRole]:
+    """Each (IA)^3 site's role (``IA3_RULES``: k, v, ff) and layer, by module name, in the encoder's order (none for
+    an architecture without rules)."""
     model_type = getattr(getattr(encoder, "config", None), "model_type", None)
-    rules = [re.compile(rx) for rx in IA3_RULES.get(str(model_type), ())]
-    return {n: m for n, m in encoder.named_modules() if any(rx.fullmatch(n) for rx in rules)}
+    rules = {role: re.compile(rx) for role, rx in IA3_RULES.get(str(model_type), {}).items()}
+    out: dict[str, BiasRole] = {}
+    for name, _ in encoder.named_modules():
+        for role, rx in rules.items():
+            m = rx.fullmatch(name)
+            if m:
+                out[name] = BiasRole(role, int(m.group(1)))
+    return out
+
+
+def ia3_sites(encoder: nn.Module) -> dict[str, nn.Module]:
+    """The modules whose outputs an (IA)^3 patch scales, by module name, in the encoder's order."""
+    modules = dict(encoder.named_modules())
+    return {n: modules[n] for n in ia3_roles(encoder)}
 
 
 def _output_width(module: nn.Module) -> int:

@@ -10,6 +10,10 @@ from bench.train_cost import child, jobs_child, render, run_child
 from tests.helpers import synthetic_rows, write_jsonl
 
 
+def tiny_bert_dir_config(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
 def _args(tmp_path, tiny_bert_dir, mode):
     train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 24, seed=1))
     dev = write_jsonl(tmp_path / "dev.jsonl", synthetic_rows("classification", 8, seed=2))
@@ -32,8 +36,12 @@ def _args(tmp_path, tiny_bert_dir, mode):
 
 
 def test_each_mode_trains_its_own_parameters_and_reports_cost(tiny_bert_dir, tmp_path):
-    got = {mode: child(_args(tmp_path, tiny_bert_dir, mode)) for mode in ("packed", "padded", "full")}
+    got = {mode: child(_args(tmp_path, tiny_bert_dir, mode)) for mode in ("packed", "padded", "full", "packed-ia3")}
     assert got["packed"]["trainable_params"] == got["padded"]["trainable_params"]
+    # (IA)^3: 3 scales a layer (key, value: hidden; intermediate: its width) on top of the biases
+    config = tiny_bert_dir_config(tiny_bert_dir)
+    scales = config["num_hidden_layers"] * (2 * config["hidden_size"] + config["intermediate_size"])
+    assert got["packed-ia3"]["trainable_params"] == got["packed"]["trainable_params"] + scales
     assert got["packed"]["trainable_params"] * 10 < got["full"]["trainable_params"]
     assert all(r["s_per_update"] > 0 and r["memory_bytes"] >= 0 for r in got.values())
 

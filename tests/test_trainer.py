@@ -735,7 +735,7 @@ def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_
     assert not any(hasattr(m, "ia3_scale") for m in tiny_encoder.model.modules()), "input encoder hooked"
     assert result.report["trainable_params"] == patch.n_params
     moved = result.report["scale_movement"]
-    assert set(moved) == {"key", "value", "intermediate"} and set(moved["key"]) == {"0", "1"} and moved["key"]["0"] > 0
+    assert set(moved) == {"k", "v", "ff"} and set(moved["k"]) == {"0", "1"} and moved["ff"]["1"] > 0
     feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 32)
     served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(
         [Row(f.input_ids, f.token_type_ids, patch) for f in feats]

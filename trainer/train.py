@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +37,7 @@ from patches.bitfit import (
     bias_parameters,
     bias_roles,
     extract_patch,
+    ia3_roles,
     ia3_values,
     patch_parameters,
     scale_parameters,
@@ -692,15 +692,13 @@ def bias_movement(trained: nn.Module, base: nn.Module, *, gains: bool = False) -
 
 
 def scale_movement(trained: nn.Module) -> dict[str, dict[str, float]]:
-    """mean |s - 1| of each (IA)^3 scale of a plain model (``apply_values`` set them), by site (key, value,
-    intermediate) and layer."""
+    """mean |s - 1| of each (IA)^3 scale of a plain model (``apply_values`` set them), by its role (k, v, ff: the
+    key, value and feed-forward intermediate) and layer, as ``bias_movement`` gives the biases'."""
+    roles = ia3_roles(trained)
     out: dict[str, dict[str, float]] = {}
     for name, scale in ia3_values(trained).items():
-        match = re.search(r"layer\.(\d+)\.", name)
-        site = name.rsplit(".", 1)[-1]
-        out.setdefault(site, {})[match.group(1) if match else "-"] = float(
-            (scale.detach().cpu().float() - 1).abs().mean()
-        )
+        role = roles[name]
+        out.setdefault(role.role, {})[str(role.layer)] = float((scale.detach().cpu().float() - 1).abs().mean())
     return out
 
 

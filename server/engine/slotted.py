@@ -18,7 +18,6 @@ scaled intermediate's product).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patches.bitfit import IA3_RULES, bias_roles, ia3_sites
+from patches.bitfit import bias_roles, ia3_roles
 from patches.errors import EncoderError, PatchKeysError
 
 
@@ -141,7 +140,7 @@ def install_slots(
     if not roles:
         drop_key_bias = fold_value_bias = False
     by_role_layer = {(r.role, r.layer): n for n, r in roles.items()}
-    ia3 = list(ia3_sites(model)) if roles else []
+    ia3 = ia3_roles(model) if roles else {}
     index = SlotIndex()
     sites: dict[str, BiasSite] = {}
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.LayerNorm)]
@@ -166,14 +165,12 @@ def install_slots(
             site.fold_from = by_role_layer.get(("v", role.layer))
             site.fold_weight = mod.weight.detach()
         sites[name] = site
-    rules = [re.compile(rx) for rx in IA3_RULES.get(str(getattr(getattr(model, "config", None), "model_type", "")), ())]
-    for ia3_name in ia3:  # (IA)^3 sites: the key's and value's Linear, the Linear that reads the intermediate
-        for site_role, rx in zip(("k", "v", "m3"), rules, strict=True):
-            m = rx.fullmatch(ia3_name)
-            bias_name = by_role_layer.get((site_role, int(m.group(1)))) if m else None
-            linear = sites[bias_name].module if bias_name is not None else None
-            if isinstance(linear, SlottedLinear):
-                linear.scale_name, linear.scale_input = ia3_name, site_role == "m3"
+    for ia3_name, ia3_role in ia3.items():  # the key's and value's Linear, the Linear that reads the intermediate
+        linear_role = "m3" if ia3_role.role == "ff" else ia3_role.role
+        bias_name = by_role_layer.get((linear_role, ia3_role.layer))
+        linear = sites[bias_name].module if bias_name is not None else None
+        if isinstance(linear, SlottedLinear):
+            linear.scale_name, linear.scale_input = ia3_name, ia3_role.role == "ff"
     for site in sites.values():  # every slot starts as the base model, folded b_v included
         if site.fold_from is not None and site.bank is not None:
             with torch.no_grad():
