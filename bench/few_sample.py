@@ -81,7 +81,11 @@ SCALES_NOTE = (
     "more values on MiniLM, served at a bias's cost). On the same 5 draws it scored level with today's defaults on "
     "the sets' own dev splits (Rotten Tomatoes -0.3, TREC -0.2; the paired lines above) and +0.2 / +0.4 on test, so "
     "it is not a default: `--scales layernorm` asks for it. On the full Rotten Tomatoes set it did not pay on dev "
-    "either (docs/quality.md)."
+    "either (docs/quality.md). `scales=ia3` (2026-11-26): (IA)^3 scales on every layer's keys, values and "
+    "feed-forward intermediate trained with the biases (a `bitfit-ia3` patch, 13,824 more values on MiniLM, served "
+    "in the same mixed batches). On the same 5 draws it scored +0.6 on test on both sets but not on the sets' own dev "
+    "splits (Rotten Tomatoes -0.6, TREC +0.1; the paired lines above), so at 256 rows it is not chosen either; on the "
+    "full Rotten Tomatoes set it is the first candidate to move dev (+0.6, docs/quality.md)."
 )
 
 
