@@ -683,13 +683,27 @@ def test_cli_train_takes_contrastive_and_refuses_it_where_rows_have_no_label(tmp
     assert "needs classification, not regression; set contrastive to 0" in err and "step " not in err
 
 
+def _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, labels) -> None:
+    """Served by the engine in one batch, the result's patch answers every dev row as the trained model does."""
+    from patches.encoder import load_encoder
+    from server.engine.runner import Row, Runner
+
+    feats = featurize(tiny_encoder.tokenizer, dev, labels, 32)
+    served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(
+        [Row(f.input_ids, f.token_type_ids, result.patch) for f in feats]
+    )
+    result.model.eval()
+    for f, out in zip(feats, served, strict=True):
+        ids = torch.tensor([f.input_ids])
+        with torch.no_grad():
+            want = result.model(ids, torch.ones_like(ids), torch.tensor([f.token_type_ids]))[0]
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_scales_layernorm_trains_every_gain_too_and_the_patch_serves_as_trained(
     tmp_path, tiny_bert_dir, tiny_encoder, packed
 ):
-    from patches.encoder import load_encoder
-    from server.engine.runner import Row, Runner
-
     train, dev = _data(tmp_path, "classification", 64, 16)
     before = {n: p.detach().clone() for n, p in tiny_encoder.model.named_parameters()}
     result = train_patch(tiny_encoder, train, dev, _config(scales="layernorm", min_steps=20), packed=packed)
@@ -704,25 +718,12 @@ def test_scales_layernorm_trains_every_gain_too_and_the_patch_serves_as_trained(
     assert result.report["trainable_params"] == patch.n_params
     moved = result.report["gain_movement"]  # each LayerNorm's gain, under its LayerNorm's role
     assert set(moved) == {"emb_ln", "ln1", "ln2"} and set(moved["ln1"]) == {"0", "1"} and moved["emb_ln"]["-"] > 0
-    # served by the engine in one batch, the patch answers as the trained model does row by row
-    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 32)
-    served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(
-        [Row(f.input_ids, f.token_type_ids, patch) for f in feats]
-    )
-    result.model.eval()
-    for f, out in zip(feats, served, strict=True):
-        ids = torch.tensor([f.input_ids])
-        with torch.no_grad():
-            want = result.model(ids, torch.ones_like(ids), torch.tensor([f.token_type_ids]))[0]
-        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, train.labels)
 
 
 def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_as_trained(
     tmp_path, tiny_bert_dir, tiny_encoder
 ):
-    from patches.encoder import load_encoder
-    from server.engine.runner import Row, Runner
-
     train, dev = _data(tmp_path, "classification", 64, 16)
     before = {n: p.detach().clone() for n, p in tiny_encoder.model.named_parameters()}
     result = train_patch(tiny_encoder, train, dev, _config(scales="ia3", min_steps=20))
@@ -736,16 +737,7 @@ def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_
     assert result.report["trainable_params"] == patch.n_params
     moved = result.report["scale_movement"]
     assert set(moved) == {"k", "v", "ff"} and set(moved["k"]) == {"0", "1"} and moved["ff"]["1"] > 0
-    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 32)
-    served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(
-        [Row(f.input_ids, f.token_type_ids, patch) for f in feats]
-    )
-    result.model.eval()
-    for f, out in zip(feats, served, strict=True):
-        ids = torch.tensor([f.input_ids])
-        with torch.no_grad():
-            want = result.model(ids, torch.ones_like(ids), torch.tensor([f.token_type_ids]))[0]
-        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, train.labels)
     with pytest.raises(ValueError, match=r"\(IA\)\^3 scales train on the packed model"):
         train_patch(tiny_encoder, train, dev, _config(scales="ia3", min_steps=20), packed=False)
 
