@@ -85,7 +85,7 @@ SCALES_NOTE = (
     "feed-forward intermediate trained with the biases (a `bitfit-ia3` patch, 13,824 more values on MiniLM, served "
     "in the same mixed batches). On the same 5 draws it scored +0.6 on test on both sets but not on the sets' own dev "
     "splits (Rotten Tomatoes -0.6, TREC +0.1; the paired lines above), so at 256 rows it is not chosen either; on the "
-    "full Rotten Tomatoes set it is the first candidate to move dev (+0.6, docs/quality.md)."
+    "full Rotten Tomatoes set it is level on dev too (+0.2 over 3 seeds, docs/quality.md)."
 )
 
 
