@@ -210,15 +210,17 @@ def write_slot(
     unknown = sorted(set(scales) - set(norms) - set(linears))
     if unknown:
         raise PatchKeysError(f"this engine has no LayerNorm with a bias or (IA)^3 site for the scales {unknown[:5]}")
+    has_gains, has_ia3 = not set(scales).isdisjoint(norms), not set(scales).isdisjoint(linears)
+    n_slots = next(s.bank for s in sites.values() if s.bank is not None).shape[0] if has_ia3 else 0
     for norm in norms.values():
-        if not set(scales).isdisjoint(norms):
+        if has_gains:
             norm.add_gain_bank()
         if norm.gain is not None:
             value = scales.get(norm.gain_name)
             norm.gain[slot].copy_(norm.weight if value is None else value.to(norm.gain.device, norm.gain.dtype))
     for name, linear in linears.items():
-        if not set(scales).isdisjoint(linears):
-            linear.add_scale_bank(next(s.bank for s in sites.values() if s.bank is not None).shape[0])
+        if has_ia3:
+            linear.add_scale_bank(n_slots)
         if linear.scale is not None:
             value = scales.get(name)
             if value is None:
