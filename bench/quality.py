@@ -81,9 +81,14 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
     (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
     unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
-    restart, no ``contrastive`` had no contrastive stage, no ``scales`` trained biases only. Where one run trained,
-    ``restarts_merge`` did nothing and is left out."""
-    out = {"contrastive": 0, "scales": "none"} | run_settings
+    restart, no ``contrastive`` had no contrastive stage, no ``scales`` trained biases only, no ``distill`` had no
+    teacher. Where one run trained, ``restarts_merge`` did nothing and is left out; without a teacher,
+    ``distill_temperature`` did nothing and reads as its default."""
+    default_temperature = RESOLVER.distill_temperature
+    out = {"contrastive": 0, "scales": "none", "distill": 0.0, "distill_temperature": default_temperature}
+    out |= run_settings
+    if not out["distill"]:
+        out["distill_temperature"] = default_temperature
     if "restarts_merge" not in out:
         out["restarts_merge"] = "best"
     elif out["restarts_merge"] is None:
@@ -413,7 +418,16 @@ def run_record(
         "settings": settings(config),
         "seconds": seconds,
         "trainable_params": result.report["trainable_params"],
-    }
+    } | _teacher(result.report, metric)
+
+
+def _teacher(report: dict[str, Any], metric: str) -> dict[str, Any]:
+    """A distilled run's teacher (the encoder fully fine-tuned first): its test and dev scores and seconds."""
+    if "distill" not in report:
+        return {}
+    teacher = report["distill"]["teacher"]
+    shown = {"dev": teacher["dev"][metric], "seconds": teacher["seconds"], "best_step": teacher["best_step"]}
+    return {"teacher": shown | ({"test": teacher["test"][metric]} if "test" in teacher else {})}
 
 
 def train_jointly(

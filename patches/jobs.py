@@ -145,6 +145,13 @@ class TrainConfig:
     # those cosines of the pooled vectors, as SetFit tunes its body; every run then starts from the tuned biases.
     # 0: none (8 rounds at 256 rows scored level with none on the sets' own dev splits, docs/few-sample.md)
     contrastive: Annotated[int, Field(ge=0, le=1000)] = 0
+    # knowledge distillation (BitFit on classification or regression, opt-in): the share of each run's loss that
+    # follows a teacher's outputs instead of the gold labels. The teacher is the same encoder fully fine-tuned on
+    # the same rows first (``teacher_config()``: full fine-tuning's defaults), so a job also costs that run. For
+    # classification the student matches the teacher's probabilities softened by ``distill_temperature`` (Hinton et
+    # al., 2015: KL divergence x T^2); for regression, its predicted scores (mean squared error). 0: none
+    distill: Annotated[float, Field(ge=0, le=1)] = 0.0
+    distill_temperature: Annotated[float, Field(gt=0, le=100)] = 2.0
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -161,12 +168,14 @@ class TrainConfig:
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
             (not (self.full and self.contrastive), "contrastive trains biases only; drop it or full"),
             (not (self.full and self.scales != "none"), "full fine-tuning trains every weight; drop scales or full"),
+            (not (self.full and self.distill), "distill trains a patch from a full fine-tune; drop it or full"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise JobError(f"training config: {msg}")
         if self.kind in KINDS:
             self.contrastive_rounds(self.kind)
+            self.check_distill(self.kind)
 
     def selection_metric(self, kind: str, labels: Sequence[Label]) -> str:
         """The dev metric that chooses checkpoints and restarts for a task of ``kind`` with these labels (tags):
@@ -212,6 +221,37 @@ class TrainConfig:
         ask before any training."""
         self.selection_metric(kind, labels)
         self.contrastive_rounds(kind)
+        self.check_distill(kind)
+
+    def check_distill(self, kind: str) -> None:
+        """A JobError where ``distill`` is set for a task of ``kind`` it cannot train (tagging: checked before any
+        training)."""
+        if self.distill and kind not in ("classification", "regression"):
+            raise JobError(
+                f"training config: distill follows a teacher's outputs per row, for classification or regression, "
+                f"not {kind}; set distill to 0"
+            )
+
+    def teacher_config(self) -> TrainConfig:
+        """The run that trains the teacher of a ``distill`` config: the same encoder fully fine-tuned on the same
+        rows, at full fine-tuning's defaults (``FULL_DEFAULTS``), with this config's seed, batch size, sequence
+        length, step bounds, evaluation schedule, metric and checkpoint rule."""
+        return replace(
+            self,
+            full=True,
+            lr=None,
+            head_lr=None,
+            epochs=None,
+            patience=None,
+            lr_search=[],
+            restarts=1,
+            restarts_merge=None,
+            dropout=None,
+            bias_subset="all",
+            scales="none",
+            contrastive=0,
+            distill=0.0,
+        ).resolved()
 
     def contrastive_rounds(self, kind: str) -> int:
         """Rounds of the contrastive stage for a task of ``kind``; a JobError where there are some and ``kind`` has
@@ -315,13 +355,15 @@ class JobLimits:
         """A JobError when ``config`` on ``train_rows`` rows would make more updates than ``max_updates``."""
         per_run, runs = config.planned_steps(train_rows), config.runs(train_rows)
         contrastive = config.contrastive_steps(train_rows)
-        total = per_run * runs + contrastive
+        teacher = config.teacher_config().planned_steps(train_rows) if config.distill else 0
+        total = per_run * runs + contrastive + teacher
         if total > self.max_updates:
             stage = f" + {contrastive} contrastive" if contrastive else ""
+            stage += f" + {teacher} teacher" if teacher else ""
             raise JobError(
                 f"this job would make {total} updates ({runs} run(s) x {per_run}{stage}), over this deployment's "
                 f"limit of {self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts, "
-                "lr_search or contrastive, or set max_steps"
+                "lr_search, contrastive or distill, or set max_steps"
             )
 
 

@@ -25,6 +25,7 @@ from trainer.train import (
     TrainingStopped,
     collate,
     contrastive_pairs,
+    distill_loss,
     evaluate,
     featurize,
     progress_line,
@@ -764,3 +765,96 @@ def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_
     with pytest.raises(SystemExit):
         main([*argv, "--train", str(rows), "--scales", "lora", "--out", str(out)])
     assert "invalid choice: 'lora'" in capsys.readouterr().err
+
+
+def test_distill_loss_mixes_the_gold_labels_with_the_teachers_softened_outputs():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 1.0, -2.0]])
+    labels = torch.tensor([0, 2])
+    hard = torch.nn.functional.cross_entropy(logits, labels)
+    # weight 0: the gold labels alone; a teacher that agrees with the student adds nothing at any weight
+    assert distill_loss("classification", logits, labels, -logits, 0.0, 2.0) == pytest.approx(float(hard))
+    assert distill_loss("classification", logits, labels, logits, 0.7, 2.0) == pytest.approx(0.3 * float(hard))
+    # weight 1: the KL divergence from the teacher's softened probabilities, times T^2
+    teacher = torch.tensor([[0.0, 3.0, 0.0], [1.0, 1.0, 1.0]])
+    p = torch.softmax(teacher / 2, -1)
+    kl = (p * (p.log() - torch.log_softmax(logits / 2, -1))).sum(-1).mean() * 4
+    assert distill_loss("classification", logits, labels, teacher, 1.0, 2.0) == pytest.approx(float(kl))
+    # regression: the squared error to the teacher's scores
+    scores, gold, taught = torch.tensor([[1.0], [2.0]]), torch.tensor([1.0, 0.0]), torch.tensor([[3.0], [2.0]])
+    assert distill_loss("regression", scores, gold, taught, 0.5, 2.0) == pytest.approx(0.5 * 2.0 + 0.5 * 2.0)
+
+
+def test_a_distilled_patch_trains_a_full_teacher_first_and_its_runs_follow_the_teachers_logits(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 32)
+    seen: list[dict] = []
+    # the last checkpoint: the best on dev would be the one least harmed by the teacher below
+    config = _config(min_steps=300, distill=1.0, dropout=0.0, checkpoint="last")
+    training = PatchTraining(tiny_encoder, train, dev, config, test=dev, on_progress=seen.append, progress_every_s=0)
+    trainer = JointTrainer([training])
+    teacher = training.group()
+    assert teacher is not None and teacher.stage == "teacher" and isinstance(teacher.model, TaskModel)
+    assert teacher.config.full and teacher.config.lr == 5e-5 and len(teacher.runs) == 1  # full FT's defaults
+    while training.teacher is None:
+        assert all(error is None for _, error in trainer.step())
+        training.group()
+    logits = training.teacher_logits
+    assert logits is not None and logits.shape == (64, len(train.labels))
+    # the runs follow the teacher's logits, not the gold labels (weight 1): a teacher that says the opposite of
+    # every gold label makes a patch that scores far below one that learns the labels
+    gold = torch.tensor([train.labels.index(e.label) for e in train.examples])
+    training.teacher_logits = torch.nn.functional.one_hot(1 - gold, 2).float() * 8
+    while len(trainer):
+        assert all(error is None for _, error in trainer.step())
+    result = training.finish()
+    plain = train_patch(tiny_encoder, train, dev, _config(min_steps=300, dropout=0.0))
+    assert result.report["dev"]["accuracy"] < 0.3 < 0.8 < plain.report["dev"]["accuracy"]
+    shown = result.report["distill"]
+    assert (shown["weight"], shown["temperature"]) == (1.0, 2.0)
+    assert set(shown["teacher"]) >= {"dev", "test", "best_step", "steps", "seconds"}
+    assert result.patch is not None and result.patch.meta.training["distill"] == 1.0
+    assert result.patch.meta.patch_type == "bitfit"  # the same patch, served as any other
+    stages = [p.get("stage") for p in seen]
+    assert stages[0] == "teacher" and stages[-1] is None and "teacher step " in progress_line(seen[0])
+
+
+def test_distillation_trains_regression_and_is_refused_where_it_cannot_run(tmp_path, tiny_encoder):
+    scores, scores_dev = _data(tmp_path, "regression", 48, 16)
+    result = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=20, distill=0.5))
+    assert result.report["distill"]["teacher"]["dev"]["spearman"] == pytest.approx(
+        result.report["distill"]["teacher"]["dev"]["spearman"]
+    )
+    assert "distill" not in train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=4)).report
+    with pytest.raises(JobError, match="drop it or full"):
+        TrainConfig(task="t", full=True, distill=0.5)
+    with pytest.raises(JobError, match="for classification or regression, not token-classification"):
+        TrainConfig(task="t", distill=0.5).check_task("token-classification", ["nn", "vb"])
+    with pytest.raises(JobError, match="distill"):
+        TrainConfig.from_dict({"task": "t", "distill": 1.5})
+    # the teacher: full fine-tuning's defaults, the job's seed and schedule bounds; its updates count in the limits
+    teacher = TrainConfig(task="t", seed=4, lr=1e-2, epochs=3, restarts=2, distill=0.5, max_steps=900).teacher_config()
+    assert (teacher.full, teacher.lr, teacher.epochs, teacher.restarts, teacher.seed) == (True, 5e-5, 5.0, 1, 4)
+    assert teacher.max_steps == 900 and teacher.distill == 0
+    with pytest.raises(JobError, match=r"2400 updates \(3 run\(s\) x 600 \+ 600 teacher\)"):
+        JobLimits(max_updates=2000).check(TrainConfig(task="t", distill=0.5), 100)
+
+
+def test_a_stop_while_the_teacher_trains_says_so(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    calls = iter(range(1000))
+    with pytest.raises(TrainingStopped, match=r"stopped at update 3 of 60 of the teacher stage"):
+        train_patch(tiny_encoder, train, dev, _config(distill=0.5), should_stop=lambda: next(calls) >= 3)
+
+
+def test_cli_train_takes_distill(tmp_path, tiny_bert_dir, capsys):
+    from patches.cli import main
+
+    rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
+    argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
+    argv += ["--restarts", "1", "--train", str(rows)]
+    out = ["--out", str(tmp_path / "sent.safetensors")]
+    assert main([*argv, *out, "--distill", "0.5", "--distill-temperature", "3"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["distill"]["weight"], summary["distill"]["temperature"]) == (0.5, 3.0)
+    assert Patch.read(tmp_path / "sent.safetensors").meta.training["distill"] == 0.5
+    assert main([*argv, "--distill", "0.5", "--full"]) == 1
+    assert "drop it or full" in capsys.readouterr().err

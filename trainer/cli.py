@@ -97,6 +97,23 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "rounds at 256 rows scored level with none on Rotten Tomatoes and TREC, docs/few-sample.md)",
     )
     p.add_argument(
+        "--distill",
+        type=float,
+        default=0.0,
+        metavar="WEIGHT",
+        help="knowledge distillation (classification, regression): first fully fine-tune the same encoder on the "
+        "same rows as a teacher (full fine-tuning's defaults; the job also costs that run), then train the patch on "
+        "a mix of the gold labels and the teacher's outputs, WEIGHT (0-1) being the teacher's share of the loss "
+        "(default 0: no teacher)",
+    )
+    p.add_argument(
+        "--distill-temperature",
+        type=float,
+        default=2.0,
+        metavar="T",
+        help="with --distill on classification: soften the teacher's and the patch's probabilities by T (default 2)",
+    )
+    p.add_argument(
         "--checkpoint",
         choices=["best", "last"],
         help="which checkpoint of a run to keep: its best dev score, or its last (default: last when the dev set "
@@ -154,6 +171,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "restarts": args.restarts,
         "restarts_merge": args.restarts_merge,
         "contrastive": args.contrastive,
+        "distill": args.distill,
+        "distill_temperature": args.distill_temperature,
         "batch_size": args.batch_size,
         "max_seq_length": args.max_seq_length,
         "pooling": args.pooling,
@@ -229,6 +248,8 @@ def _train(args: argparse.Namespace) -> int:
         "test": report.get("test"),
         "selection": report["selection"],
     }
+    if "distill" in report:  # the teacher's scores beside the patch's
+        summary["distill"] = report["distill"]
     code = 0 if result.patch is None else _deliver(result.patch, out, registry, args, summary)  # the patch first
     if args.report:
         path = Path(args.report)

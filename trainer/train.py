@@ -6,7 +6,9 @@ train long enough, dev evaluation with early stopping and best-checkpoint restor
 checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
 the best dev score of the task's selection metric (``TrainConfig.selection_metric``); on small data the restarts are
 averaged into one patch. With ``contrastive`` rounds a contrastive stage comes first on classification data
-(``_ContrastiveStage``: SetFit's pair objective, biases only), and every run starts from its biases.
+(``_ContrastiveStage``: SetFit's pair objective, biases only), and every run starts from its biases. With
+``distill`` a teacher trains first (the encoder fully fine-tuned, padded), and every run's loss follows its logits on
+the training rows as well as the gold labels (``distill_loss``).
 ``full=True`` fine-tunes every weight of the same encoder for comparison and returns a report only.
 
 BitFit on a BERT encoder trains on the serving engine's packed model (``patches/packed_model.py``): no padding
@@ -147,6 +149,44 @@ def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     if kind == "regression":
         return nn.functional.mse_loss(logits.squeeze(-1), labels)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+
+def distill_loss(
+    kind: str, logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor, weight: float, temperature: float
+) -> torch.Tensor:
+    """``loss_fn`` on the gold labels, mixed with ``weight`` of a loss that follows the teacher's outputs on the
+    same rows (``teacher``: its logits): for classification the KL divergence from the teacher's probabilities to
+    the student's, both softened by ``temperature`` and scaled by its square so the gradients keep their size
+    (Hinton et al., 2015); for regression the squared error to the teacher's scores."""
+    hard = loss_fn(kind, logits, labels)
+    if kind == "regression":
+        soft = nn.functional.mse_loss(logits.squeeze(-1), teacher.squeeze(-1))
+    else:
+        t = temperature
+        student, target = nn.functional.log_softmax(logits / t, -1), nn.functional.log_softmax(teacher / t, -1)
+        soft = nn.functional.kl_div(student, target, reduction="batchmean", log_target=True) * (t * t)
+    return (1 - weight) * hard + weight * soft
+
+
+@torch.no_grad()
+def predict_logits(
+    model: TaskModel, feats: list[Features], pad_id: int, kind: str, batch_size: int = 64, should_stop: StopFn = _never
+) -> torch.Tensor:
+    """The padded model's logits (eval mode) for each of ``feats``, in order, as one float32 tensor on its device;
+    raises TrainingStopped(0, 0) when ``should_stop`` says so between batches."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(0, len(feats), batch_size):
+            if should_stop():
+                raise TrainingStopped(0, 0)
+            b = collate(feats[i : i + batch_size], pad_id, kind, device)
+            out.append(model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
 
 
 def evaluate(
@@ -328,6 +368,7 @@ class _Update:
     batch: dict[str, torch.Tensor]
     run_of_row: torch.Tensor | None  # packed: each row's run
     targets: torch.Tensor | None = None  # the contrastive stage: each pair's target cosine
+    teacher: torch.Tensor | None = None  # distillation: the teacher's logits for each row
 
 
 def _part(model: TaskModel | PackedTaskModel, u: _Update) -> Part:
@@ -477,17 +518,19 @@ class _RunGroup:
     every run's rows in one batch; or padded, one run (a TaskModel on a copy of the encoder). Each run keeps the
     best dev checkpoint -- or with ``checkpoint="last"`` the final one -- which ``results()`` puts in the model.
 
-    The job's config is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
-
-    stage: str | None = None  # the runs themselves (TrainingStopped names any other stage)
+    The job's config is resolved (``TrainConfig.resolved()``): epochs and patience are set. ``config`` (resolved
+    too) trains another stage of the job instead, named by ``stage``: a distillation's teacher."""
 
     def __init__(
         self,
         job: PatchTraining,
         specs: Sequence[tuple[float, int]],
         packed: bool,
+        config: TrainConfig | None = None,
+        stage: str | None = None,
     ) -> None:
-        config = job.config
+        config = config or job.config
+        self.stage = stage  # None: the runs themselves (TrainingStopped and progress name any other stage)
         assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
         if not packed and len(specs) != 1:
             raise ValueError("the padded model trains one run at a time")
@@ -534,7 +577,7 @@ class _RunGroup:
         self.pad_id = job.pad_id
         desc = f"{config.task} {len(specs)} runs"
         if len(specs) == 1:
-            desc = f"{config.task} seed={specs[0][1]} lr={specs[0][0]:g}"
+            desc = f"{config.task} {stage + ' ' if stage else ''}seed={specs[0][1]} lr={specs[0][0]:g}"
         self.bar = tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
         self.model.train()
         self.step = 0
@@ -546,7 +589,7 @@ class _RunGroup:
 
     def next_update(self) -> _Update:
         """The rows of the next update: a batch from each active run's own shuffled order."""
-        rows: list[Features] = []
+        rows: list[int] = []
         spans = []
         active = [r for r in self.runs if r.active]
         for r in active:
@@ -555,12 +598,17 @@ class _RunGroup:
                 r.rng.shuffle(r.order)
             idx, r.order = r.order[: self.config.batch_size], r.order[self.config.batch_size :]
             spans.append((len(rows), len(rows) + len(idx)))
-            rows += [self.job.train_f[i] for i in idx]
-        batch = collate(rows, self.pad_id, self.job.kind, self.device)
+            rows += idx
+        batch = collate([self.job.train_f[i] for i in rows], self.pad_id, self.job.kind, self.device)
         run_of_row = None
         if isinstance(self.model, PackedTaskModel):
             run_of_row = torch.tensor([r.index for r, (a, b) in zip(active, spans, strict=True) for _ in range(b - a)])
-        return _Update(active, spans, batch, run_of_row)
+        teacher = self.job.teacher_logits
+        if teacher is not None and self.stage is None:
+            teacher = teacher[torch.tensor(rows, device=teacher.device)]
+        else:
+            teacher = None
+        return _Update(active, spans, batch, run_of_row, teacher=teacher)
 
     def part(self, u: _Update) -> Part:
         """The update's rows as a ``joint_forward`` part (packed groups only)."""
@@ -576,7 +624,11 @@ class _RunGroup:
         """Each active run's loss on its own rows; clears the runs' gradients for the backward to come."""
         for r in u.active:
             r.optimizer.zero_grad(set_to_none=True)
-        return [loss_fn(self.job.kind, logits[a:b], u.batch["labels"][a:b]) for a, b in u.spans]
+        kind, labels, teacher = self.job.kind, u.batch["labels"], u.teacher
+        if teacher is None:
+            return [loss_fn(kind, logits[a:b], labels[a:b]) for a, b in u.spans]
+        weight, temperature = self.config.distill, self.config.distill_temperature
+        return [distill_loss(kind, logits[a:b], labels[a:b], teacher[a:b], weight, temperature) for a, b in u.spans]
 
     def apply(self, u: _Update, losses: list[torch.Tensor]) -> None:
         """After the backward: step each run's optimizer, evaluate on dev when due (early stopping: a run whose
@@ -604,7 +656,7 @@ class _RunGroup:
                     should_stop=job.should_stop,
                 )
             except TrainingStopped:
-                raise TrainingStopped(step, self.total) from None
+                raise TrainingStopped(step, self.total, self.stage) from None
             for r, metrics in zip(u.active, scores, strict=True):
                 r.last_dev, score = metrics, metrics[job.metric]
                 r.history.append({"step": step, "loss": r.running, f"dev_{job.metric}": score})
@@ -628,7 +680,8 @@ class _RunGroup:
         ):
             self.last_report = time.perf_counter()
             job.on_progress(
-                {
+                ({"stage": self.stage} if self.stage else {})
+                | {
                     "step": step,
                     "total_steps": self.total,
                     "loss": lead.running,
@@ -770,6 +823,7 @@ class PatchTraining:
         if config.scales == "ia3" and not self.packed:
             why = unsupported or "packed=False"
             raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
+        config.check_distill(kind)
         rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
             why = unsupported or "packed=False"
@@ -781,7 +835,12 @@ class PatchTraining:
         )
         self.checkpoint: str = checkpoint
         assert config.lr is not None
-        # the contrastive stage trains first, where there is one; its tuned biases are where every run starts
+        # a distillation's teacher trains first (padded, every weight), and its logits on the training rows are
+        # what the runs follow; then the contrastive stage, where there is one: its tuned biases are where every
+        # run starts
+        self._teacher_config = config.teacher_config() if config.distill else None
+        self.teacher_logits: torch.Tensor | None = None
+        self.teacher: dict[str, Any] | None = None  # what the report shows of the teacher
         self._stage_rounds = rounds
         self.start: dict[str, torch.Tensor] | None = None
         self.contrastive: dict[str, Any] | None = None  # what the report shows of the stage
@@ -813,11 +872,19 @@ class PatchTraining:
             if isinstance(self._group, _ContrastiveStage):
                 self.start, self.contrastive = self._group.results()
                 self._group = None
+            elif self._group is not None and self._group.stage == "teacher":
+                self._take_teacher(self._group)
+                self._group = None
             elif self._group is not None:
                 results = self._group.results()
                 self._models += [self._group.model] * len(results)
                 self._runs += results
                 self._group = None
+            if self._teacher_config is not None:
+                tc, self._teacher_config = self._teacher_config, None
+                assert tc.lr is not None
+                self._group = _RunGroup(self, [(tc.lr, tc.seed)], packed=False, config=tc, stage="teacher")
+                continue
             if self._stage_rounds:  # (every row makes a pair a round: the stage has updates)
                 self._group, self._stage_rounds = _ContrastiveStage(self, self._stage_rounds), 0
                 continue
@@ -825,6 +892,25 @@ class PatchTraining:
                 return None
             self._group = _RunGroup(self, self._queued.pop(0), self.packed)
         return self._group
+
+    def _take_teacher(self, group: _RunGroup) -> None:
+        """Keep what the runs need of a trained teacher (its logits on the training rows) and what the report
+        shows of it (its dev and test scores); the teacher itself is dropped."""
+        (result,) = group.results()  # its kept checkpoint restored
+        model = group.model
+        assert isinstance(model, TaskModel)
+        try:
+            stop = self.should_stop
+            self.teacher_logits = predict_logits(model, self.train_f, self.pad_id, self.kind, should_stop=stop)
+            shown = {k: result[k] for k in ("lr", "best_step", "steps", "planned_steps")}
+            shown["dev"] = result["best_dev"]
+            if self.test is not None:
+                test_f = featurize(self.encoder.tokenizer, self.test, self.labels, self.max_len)
+                shown["test"] = evaluate(model, test_f, self.pad_id, self.labels, should_stop=self.should_stop)
+        except TrainingStopped:
+            raise TrainingStopped(result["steps"], result["planned_steps"], "teacher") from None
+        shown["seconds"] = time.perf_counter() - group.t0
+        self.teacher = shown
 
     def close(self) -> None:
         """Release the progress bar of a training that ends without finishing."""
@@ -903,6 +989,12 @@ class PatchTraining:
             report["merged"] = merged
         if self.contrastive is not None:
             report["contrastive"] = self.contrastive
+        if self.teacher is not None:
+            report["distill"] = {
+                "weight": config.distill,
+                "temperature": config.distill_temperature,
+                "teacher": self.teacher,
+            }
         source = merged[best_index] if merged is not None else shown_runs[best_index]
         report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
@@ -911,7 +1003,7 @@ class PatchTraining:
         if not config.full and config.scales == "ia3":
             report["scale_movement"] = scale_movement(model.encoder)
         del models, chosen  # the other runs' models
-        self._models, self._moved = [], None
+        self._models, self._moved, self.teacher_logits = [], None, None
         if config.full:
             return TrainResult(None, report, model)
         metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}
@@ -932,7 +1024,8 @@ class PatchTraining:
             }
             | {"restarts": config.restarts}
             | ({"restarts_merge": "average"} if merged is not None else {})
-            | ({"contrastive": config.contrastive} if self.contrastive is not None else {}),
+            | ({"contrastive": config.contrastive} if self.contrastive is not None else {})
+            | ({"distill": config.distill} if self.teacher is not None else {}),
         )
         patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
         return TrainResult(patch, report, model)
