@@ -193,8 +193,9 @@ class JobPublic(BaseModel):
     attempts: int = 0
     progress: dict[str, Any] = Field(
         default_factory=dict,
-        description="While training: step, total_steps, loss, dev metrics, seed, lr; stage: 'contrastive' while "
-        "the contrastive stage trains (its steps are its own).",
+        description="While training: step, total_steps, loss, dev metrics, seed, lr; stage: 'teacher' while a "
+        "distillation's teacher trains, 'contrastive' while the contrastive stage trains (each stage's steps are its "
+        "own).",
     )
     result: dict[str, Any] = Field(
         default_factory=dict, description="When done: dev/test metrics, steps, seconds; version and patch_id."

@@ -1,11 +1,11 @@
 """bench/quality.py --joint: a set's BitFit runs trained together in one batch train as each would alone, and the
-table shares a joint batch's wall time out over its runs."""
+table shares a joint batch's wall time out over its runs; which recorded runs are at today's defaults."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.quality import MODES, _minutes, train_jointly
+from bench.quality import MODES, _minutes, differences, is_current, settings, train_jointly
 from patches.data import DataFile, load_splits
 from patches.jobs import TrainConfig
 from tests.helpers import synthetic_rows, write_jsonl
@@ -47,3 +47,16 @@ def test_runs_trained_together_train_as_each_would_alone(tiny_encoder, tmp_path)
 def test_min_per_run_shares_a_joint_batch_out_over_its_runs():
     assert _minutes([{"seconds": 720.0, "joint": 6}, {"seconds": 60.0}]) == "1.5"  # 2 and 1 minutes
     assert _minutes([]) == "-"
+
+
+def test_a_distilled_run_is_a_candidate_and_runs_recorded_before_distill_existed_stay_current():
+    today = settings(TrainConfig(task="quality"))
+    before = {k: v for k, v in today.items() if k not in ("distill", "distill_temperature")}  # an older record
+    run = {"set": "rotten_tomatoes", "mode": "bitfit", "train_rows": 8530, "dev_rows": 1066}
+    assert is_current(run | {"settings": before}) and is_current(run | {"settings": today})
+    distilled = run | {"settings": today | {"distill": 0.5}}
+    assert not is_current(distilled) and differences(distilled) == "distill=0.5"  # the default temperature: unsaid
+    hotter = run | {"settings": today | {"distill": 0.5, "distill_temperature": 4.0}}
+    assert differences(hotter) == "distill=0.5, distill_temperature=4.0"
+    # without a teacher the temperature does nothing: such a run is still at today's defaults
+    assert is_current(run | {"settings": today | {"distill_temperature": 4.0}})

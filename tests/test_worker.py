@@ -379,6 +379,9 @@ def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_rea
         ({"contrastive": 2, "kind": "regression"}, "contrastive pairs rows by their label"),
         ({"scales": "lora"}, "scales: Input should be 'none', 'layernorm' or 'ia3'"),
         ({"scales": "layernorm", "full": True}, "full fine-tuning trains every weight; drop scales or full"),
+        ({"distill": 1.5}, "distill: Input should be less than or equal to 1"),
+        ({"distill": 0.5, "full": True}, "distill trains a patch from a full fine-tune; drop it or full"),
+        ({"distill": 0.5, "kind": "token-classification"}, "or regression, not token-classification"),
     ],
 )
 def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):
