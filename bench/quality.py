@@ -60,6 +60,14 @@ FLOOR_NOTE = (
 )
 
 
+DISTILL_NOTE = (
+    "Distilled runs (`--set distill=W`, `patchserve train --distill W`): each trains a teacher first, the encoder "
+    "fully fine-tuned on the same rows at full fine-tuning's defaults and the run's seed, and the patch then learns "
+    "from a mix of the gold labels and the teacher's outputs (min/run above includes the teacher). Each patch beside "
+    "its own teacher:"
+)
+
+
 def load_runs(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -326,7 +334,38 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
                 f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
         lines.append("")
+    distilled = [r for r in all_runs if "teacher" in r]
+    if distilled:
+        lines += [
+            DISTILL_NOTE,
+            "",
+            "| data set | mode | settings that differ | patch test | teacher test | patch dev | teacher dev | runs | "
+            "teacher min/run | device |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        taught: dict[tuple[str, str, str, str], list[dict]] = {}
+        for r in distilled:
+            taught.setdefault((r["set"], r["mode"], differences(r), device_of(r)), []).append(r)
+        for (ds, mode, diff, device), grp in sorted(taught.items()):
+            cells = [
+                _mean_sd([100 * r["test"] for r in grp]),
+                _mean_sd([100 * r["teacher"]["test"] for r in grp if "test" in r["teacher"]]),
+                _mean_sd([100 * r["dev"] for r in grp]),
+                _mean_sd([100 * r["teacher"]["dev"] for r in grp]),
+            ]
+            teacher_min = statistics.mean(r["teacher"]["seconds"] / 60 for r in grp)
+            lines.append(
+                f"| {ds} | {mode} | {diff} | {' | '.join(cells)} | {len(grp)} | {teacher_min:.1f} | {device} |"
+            )
+        lines.append("")
     path.write_text("\n".join(lines))
+
+
+def _mean_sd(values: list[float]) -> str:
+    """ "82.0 ± 0.4" (one value: no spread; none: "-")."""
+    if not values:
+        return "-"
+    return f"{statistics.mean(values):.1f}" + (f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else "")
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.quality import MODES, _minutes, differences, is_current, settings, train_jointly
+from bench.quality import MODES, _minutes, differences, is_current, settings, train_jointly, write_table
 from patches.data import DataFile, load_splits
 from patches.jobs import TrainConfig
 from tests.helpers import synthetic_rows, write_jsonl
@@ -60,3 +60,20 @@ def test_a_distilled_run_is_a_candidate_and_runs_recorded_before_distill_existed
     assert differences(hotter) == "distill=0.5, distill_temperature=4.0"
     # without a teacher the temperature does nothing: such a run is still at today's defaults
     assert is_current(run | {"settings": today | {"distill_temperature": 4.0}})
+
+
+def test_the_table_shows_each_distilled_patch_beside_its_teacher(tmp_path):
+    today = settings(TrainConfig(task="quality"))
+    base = {"set": "rotten_tomatoes", "mode": "bitfit", "metric": "accuracy", "train_rows": 8530, "dev_rows": 1066}
+    runs = [
+        base
+        | {"seed": s, "test": t, "dev": 0.84, "seconds": 420.0, "device": "cpu", "settings": today | {"distill": 0.5}}
+        | {"teacher": {"test": tt, "dev": 0.86, "seconds": 150.0, "best_step": 2000}}
+        for s, t, tt in ((0, 0.81, 0.83), (1, 0.83, 0.85))
+    ]
+    path = tmp_path / "quality.md"
+    write_table(runs, path, "python bench/quality.py --set distill=0.5")
+    row = (
+        "| rotten_tomatoes | bitfit | distill=0.5 | 82.0 ± 1.4 | 84.0 ± 1.4 | 84.0 ± 0.0 | 86.0 ± 0.0 | 2 | 2.5 | cpu |"
+    )
+    assert row in path.read_text().splitlines()
