@@ -38,6 +38,7 @@ from bench.quality import (
     already_run,
     device_of,
     differences,
+    mean_std,
     parse_overrides,
     record_run,
     recorded,
@@ -117,12 +118,6 @@ def run_baseline(
         return setfit(str(default_encoder_path()), draw, test, seed, device)
     train, dev = split_dev(draw, seed=seed)
     return logreg(encoder, train, dev, test, device)
-
-
-def _mean_std(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.mean(values):.1f}" + (f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else "")
 
 
 def _mean(values: list[float], fmt: str) -> str:
@@ -205,12 +200,12 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
     for r in runs:
         groups.setdefault((r["set"], r["rows"], r["mode"], differences(r), device_of(r)), []).append(r)
     for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
-        test = _mean_std([100 * r["test"] for r in grp])
+        test = mean_std([100 * r["test"] for r in grp])
         several = [r["restarts"] for r in grp if len(r.get("restarts", [])) > 1]
-        first = _mean_std([100 * seeds[0]["test"] for seeds in several])
-        seeds_mean = _mean_std([100 * statistics.mean(s["test"] for s in seeds) for seeds in several])
+        first = mean_std([100 * seeds[0]["test"] for seeds in several])
+        seeds_mean = mean_std([100 * statistics.mean(s["test"] for s in seeds) for seeds in several])
         dev = _mean([100 * r["dev"] for r in grp if r.get("dev") is not None], "{:.1f}")
-        heldout = _mean_std([100 * r["heldout"] for r in grp if "heldout" in r])
+        heldout = mean_std([100 * r["heldout"] for r in grp if "heldout" in r])
         steps = _mean([r["steps"] for r in grp if "steps" in r], "{:.0f}")
         planned = _mean([r["planned_steps"] for r in grp if "planned_steps" in r], "{:.0f}")
         best = _mean([r["best_step"] for r in grp if "best_step" in r], "{:.0f}")

@@ -328,9 +328,8 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
             groups.setdefault((r["set"], r["mode"], differences(r), device_of(r)), []).append(r)
         for key, grp in sorted(groups.items()):
             test, dev = ([100 * r[k] for r in grp] for k in ("test", "dev"))
-            spread = f" ± {statistics.stdev(test):.1f}" if len(test) > 1 else ""
             lines.append(
-                f"| {key[0]} | {key[1]} | {key[2]} | {statistics.mean(test):.1f}{spread} | "
+                f"| {key[0]} | {key[1]} | {key[2]} | {mean_std(test)} | "
                 f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
         lines.append("")
@@ -348,10 +347,10 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
             taught.setdefault((r["set"], r["mode"], differences(r), device_of(r)), []).append(r)
         for (ds, mode, diff, device), grp in sorted(taught.items()):
             cells = [
-                _mean_sd([100 * r["test"] for r in grp]),
-                _mean_sd([100 * r["teacher"]["test"] for r in grp if "test" in r["teacher"]]),
-                _mean_sd([100 * r["dev"] for r in grp]),
-                _mean_sd([100 * r["teacher"]["dev"] for r in grp]),
+                mean_std([100 * r["test"] for r in grp]),
+                mean_std([100 * r["teacher"]["test"] for r in grp if "test" in r["teacher"]]),
+                mean_std([100 * r["dev"] for r in grp]),
+                mean_std([100 * r["teacher"]["dev"] for r in grp]),
             ]
             teacher_min = statistics.mean(r["teacher"]["seconds"] / 60 for r in grp)
             lines.append(
@@ -361,8 +360,8 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
     path.write_text("\n".join(lines))
 
 
-def _mean_sd(values: list[float]) -> str:
-    """ "82.0 ± 0.4" (one value: no spread; none: "-")."""
+def mean_std(values: list[float]) -> str:
+    """ "82.0 ± 0.4" (one value: no spread; none: "-"): a table cell of scores x100."""
     if not values:
         return "-"
     return f"{statistics.mean(values):.1f}" + (f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else "")
