@@ -42,6 +42,7 @@ from bench.quality import (
     parse_overrides,
     record_run,
     recorded,
+    restart_scores,
     run_rows,
     settings,
 )
@@ -287,19 +288,10 @@ def main() -> None:
                         "steps": report["steps"],
                         "planned_steps": report["planned_steps"],
                         "best_step": report["best_step"],
-                        # each restart's dev and test (the chosen one is the best dev): what the restarts bought
-                        "restarts": [
-                            {
-                                "seed": r["seed"],
-                                "dev": r["best_dev"][metric],
-                                "test": r["test"][metric],
-                                "heldout": r["heldout"][metric],
-                            }
-                            for r in report["runs"]
-                        ],
                         "settings": wanted,
                         "seconds": time.perf_counter() - t0,
                     }
+                    rec |= restart_scores(report, metric)  # each restart's scores, and their average's
                     if "contrastive" in report:  # the contrastive stage: its rounds, pairs, updates and time
                         rec["contrastive"] = report["contrastive"]
                     if "merged" in report:  # restarts_merge=average: each learning rate's average

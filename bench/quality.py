@@ -68,6 +68,14 @@ DISTILL_NOTE = (
 )
 
 
+AVERAGED_NOTE = (
+    "Averaged restarts (`--set restarts=N --set restarts_merge=average`, `patchserve train --restarts N "
+    "--restarts-merge average`): one job trains N runs from the same head initialisation (seeds differing in row "
+    "order and dropout) and keeps their parameters' average as its patch (a model soup); each record keeps every "
+    "restart's own dev and test score, so the average is compared with its own restarts:"
+)
+
+
 def load_runs(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -332,7 +340,7 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
                 f"| {key[0]} | {key[1]} | {key[2]} | {mean_std(test)} | "
                 f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
-        lines.append("")
+        lines += [*_averaged_lines(groups), ""]
     distilled = [r for r in all_runs if "teacher" in r]
     if distilled:
         lines += [
@@ -358,6 +366,29 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
             )
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+def _averaged_lines(groups: dict[tuple[str, str, str, str], list[dict]]) -> list[str]:
+    """For jobs that averaged their restarts into one patch (``restarts_merge=average``): the average against what
+    the same job's restarts give alone, paired job by job, on dev and test -- against the restart the best dev
+    score keeps (``restarts_merge=best``) and against the first restart (a run of its own at the job's seed)."""
+    lines = []
+    for (ds, mode, diff, device), grp in sorted(groups.items()):
+        jobs = sorted((r for r in grp if "merged" in r and "restarts" in r), key=lambda r: r["seed"])
+        if not jobs:
+            continue
+        kept = [max(r["restarts"], key=lambda x: x["dev"]) for r in jobs]  # a dev tie: the first, as the trainer
+        first = [r["restarts"][0] for r in jobs]
+        shown = []
+        for name, alone in (("the best restart by dev", kept), ("the first restart alone", first)):
+            gains = {k: [100 * (r[k] - a[k]) for r, a in zip(jobs, alone, strict=True)] for k in ("dev", "test")}
+            cells = [
+                f"{k} {statistics.mean(g):+.1f} (per job: {', '.join(f'{x:+.1f}' for x in g)})"
+                for k, g in gains.items()
+            ]
+            shown.append(f"against {name}: {'; '.join(cells)}")
+        lines.append(f"- {ds}, {mode} ({diff}, {device}): the restarts' average, same jobs, {'; '.join(shown)}")
+    return ["", AVERAGED_NOTE, "", *lines] if lines else []
 
 
 def mean_std(values: list[float]) -> str:
@@ -440,23 +471,45 @@ def run_record(
 ) -> dict[str, Any]:
     """What the runs file keeps of a trained run."""
     metric = result.report["metric"]
-    return {
-        "set": ds,
-        "mode": mode,
-        "seed": seed,
-        "metric": metric,
-        "test": result.report["test"][metric],
-        "dev": result.report["dev"][metric],
-        "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
-        "train_rows": len(splits.train),
-        "dev_rows": len(splits.dev),
-        "steps": result.report["steps"],
-        "best_step": result.report["best_step"],
-        "lr": result.report["lr"],
-        "settings": settings(config),
-        "seconds": seconds,
-        "trainable_params": result.report["trainable_params"],
-    } | _teacher(result.report, metric)
+    return (
+        {
+            "set": ds,
+            "mode": mode,
+            "seed": seed,
+            "metric": metric,
+            "test": result.report["test"][metric],
+            "dev": result.report["dev"][metric],
+            "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
+            "train_rows": len(splits.train),
+            "dev_rows": len(splits.dev),
+            "steps": result.report["steps"],
+            "best_step": result.report["best_step"],
+            "lr": result.report["lr"],
+            "settings": settings(config),
+            "seconds": seconds,
+            "trainable_params": result.report["trainable_params"],
+        }
+        | _teacher(result.report, metric)
+        | restart_scores(result.report, metric)
+    )
+
+
+def restart_scores(report: dict[str, Any], metric: str) -> dict[str, Any]:
+    """Where a run trained several restarts: each one's dev and test (and held-out) score, under ``restarts`` (the
+    kept one is the best dev), and under ``merged`` each learning rate's average (``restarts_merge=average``), so
+    a record shows what the restarts bought on the same runs."""
+    if len(report["runs"]) < 2:
+        return {}
+    splits = [k for k in ("test", "heldout") if k in report["runs"][0]]
+    out: dict[str, Any] = {
+        "restarts": [
+            {"seed": r["seed"], "dev": r["best_dev"][metric]} | {k: r[k][metric] for k in splits}
+            for r in report["runs"]
+        ]
+    }
+    if "merged" in report:
+        out["merged"] = [{"seeds": m["seeds"]} | {k: m[k][metric] for k in ("dev", *splits)} for m in report["merged"]]
+    return out
 
 
 def _teacher(report: dict[str, Any], metric: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.quality import MODES, _minutes, differences, is_current, settings, train_jointly, write_table
+from bench.quality import MODES, _minutes, differences, is_current, run_record, settings, train_jointly, write_table
 from patches.data import DataFile, load_splits
 from patches.jobs import TrainConfig
 from tests.helpers import synthetic_rows, write_jsonl
@@ -77,3 +77,39 @@ def test_the_table_shows_each_distilled_patch_beside_its_teacher(tmp_path):
         "| rotten_tomatoes | bitfit | distill=0.5 | 82.0 ± 1.4 | 84.0 ± 1.4 | 84.0 ± 0.0 | 86.0 ± 0.0 | 2 | 2.5 | cpu |"
     )
     assert row in path.read_text().splitlines()
+
+
+def test_a_job_that_averages_its_restarts_is_recorded_and_shown_against_its_own_restarts(tiny_encoder, tmp_path):
+    files = {
+        split: DataFile.read(write_jsonl(tmp_path / f"{split}.jsonl", synthetic_rows("classification", n, seed=i)))
+        for i, (split, n) in enumerate((("train", 48), ("dev", 16), ("test", 16)))
+    }
+    splits = load_splits(files["train"], files["dev"], files["test"])
+    config = TrainConfig(task="t", seed=3, device="cpu", epochs=2, min_steps=8, restarts=2, restarts_merge="average")
+    result = train_patch(tiny_encoder, splits.train, splits.dev, config, test=splits.test)
+    rec = run_record("rotten_tomatoes", "bitfit", 3, config, result, splits, 60.0) | {"device": "cpu"}
+    assert [r["seed"] for r in rec["restarts"]] == [3, 4] and rec["merged"][0]["seeds"] == [3, 4]
+    assert all(set(r) == {"seed", "dev", "test"} for r in rec["restarts"])
+    assert rec["merged"][0]["dev"] == rec["dev"] and rec["merged"][0]["test"] == rec["test"]  # the patch kept
+    # one run: nothing to compare
+    one = TrainConfig(task="t", seed=3, device="cpu", epochs=2, min_steps=8, restarts=1)
+    alone = train_patch(tiny_encoder, splits.train, splits.dev, one, test=splits.test)
+    assert "restarts" not in run_record("rotten_tomatoes", "bitfit", 3, one, alone, splits, 60.0)
+
+    # the table pairs each job's average with its own restarts: the best by dev (a tie: the first) and the first
+    def job(seed: int, dev: float, test: float, restarts: list[tuple[float, float]]) -> dict:
+        alone = [{"seed": seed + i, "dev": d, "test": t} for i, (d, t) in enumerate(restarts)]
+        return rec | {"seed": seed, "dev": dev, "test": test, "restarts": alone, "merged": [{"dev": dev, "test": test}]}
+
+    path = tmp_path / "quality.md"
+    write_table(
+        [job(1, 0.84, 0.83, [(0.83, 0.80), (0.85, 0.82)]), job(0, 0.83, 0.82, [(0.83, 0.81), (0.83, 0.83)])],
+        path,
+        "cmd",
+    )
+    line = (
+        f"- rotten_tomatoes, bitfit ({differences(rec)}, cpu): the restarts' average, same jobs, "
+        "against the best restart by dev: dev -0.5 (per job: +0.0, -1.0); test +1.0 (per job: +1.0, +1.0); "
+        "against the first restart alone: dev +0.5 (per job: +0.0, +1.0); test +2.0 (per job: +1.0, +3.0)"
+    )
+    assert line in path.read_text().splitlines()
