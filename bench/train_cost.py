@@ -339,6 +339,11 @@ WHY = [
 ]
 
 
+def _device(r: dict[str, Any]) -> str:
+    """A row's device cell: the device, and how the row was taken where it says (``note``: a --quick run's)."""
+    return r["device"] + (f" ({r['note']})" if r.get("note") else "")
+
+
 def render(jsonl: Path) -> None:
     rows = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
     lines = [
@@ -362,7 +367,7 @@ def render(jsonl: Path) -> None:
         mb_padded = r.get("memory_mb_padded", r.get("memory_mb_bitfit"))
         speedup = f"{r['speedup_packed']:.2f}x" if "speedup_packed" in r else "-"
         lines.append(
-            f"| {r['device']} | {r['batch']} | {r['trainable_bitfit']:,} / {r['trainable_full']:,} | "
+            f"| {_device(r)} | {r['batch']} | {r['trainable_bitfit']:,} / {r['trainable_full']:,} | "
             f"{r.get('ms_update_packed', '-')} | {padded} | {r['ms_per_update_full']} | {speedup} | "
             f"{r['update_ratio']:.2f}x | {r.get('memory_mb_packed', '-')} | {mb_padded} | {r['memory_mb_full']} |"
         )
@@ -384,7 +389,7 @@ def render(jsonl: Path) -> None:
                 for m in ("bitfit", "padded", "full")
             ]
             lines.append(
-                f"| {r['device']} | {r['run_rows']:,} / {r['dev_rows']:,} | {' | '.join(cells)} | "
+                f"| {_device(r)} | {r['run_rows']:,} / {r['dev_rows']:,} | {' | '.join(cells)} | "
                 f"{r['ratio_run']:.2f}x | {r['run_speedup_packed']:.2f}x |"
             )
     with_jobs = [r for r in rows if "jobs_speedup" in r]
@@ -404,7 +409,7 @@ def render(jsonl: Path) -> None:
         ]
         for r in with_jobs:
             lines.append(
-                f"| {r['device']} | {r['concurrent_jobs']} | {r['job_rows']} / {r['job_max_steps']} | "
+                f"| {_device(r)} | {r['concurrent_jobs']} | {r['job_rows']} / {r['job_max_steps']} | "
                 f"{r['jobs_per_hour_1']} | {r['jobs_per_hour_k']} | {r['jobs_speedup']:.2f}x | "
                 f"{100 * r['jobs_dev_accuracy_1']:.1f} / {100 * r['jobs_dev_accuracy_k']:.1f} |"
             )
@@ -431,7 +436,7 @@ def render(jsonl: Path) -> None:
         ax.bar(["BitFit packed", "BitFit padded", "full"], values, color=["tab:green", "tab:olive", "tab:blue"])
         ax.set(ylabel=unit, title=f"{unit}: packed {values[0] / max(values[2], 1e-9):.2f}x full")
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"{last['device']}, batch {last['batch']}")
+    fig.suptitle(f"{_device(last)}, batch {last['batch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(jsonl.parent / "train_cost.png", dpi=110)
 
