@@ -103,11 +103,13 @@ def test_render_reads_rows_before_and_after_packed_training(tmp_path):
         "ratio_run": 0.833,
         "run_speedup_packed": 1.5,
     }
+    quick = new | {"device": "NVIDIA H100 80GB HBM3", "note": "--quick, alone on the GPU"}  # how it was taken
     out = tmp_path / "train_cost.jsonl"
-    out.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
+    out.write_text("".join(json.dumps(r) + "\n" for r in (old, new, quick)))
     render(out)
     md = (tmp_path / "train_cost.md").read_text()
     assert "| cpu (2 threads) | 4 | 1 / 2 | - | 1.0 | 2.0 | - | 0.50x |" in md
     assert "| cpu (2 threads) | 32 | 1 / 2 | 400.0 | 720.0 | 1000.0 | 1.80x | 0.40x | 1.0 | 2.0 | 3.0 |" in md
+    assert "| NVIDIA H100 80GB HBM3 (--quick, alone on the GPU) | 32 | 1 / 2 | 400.0 |" in md
     runs = "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | 150.0 s, 630 steps, 80.0 | 120.0 s, 600 steps, 79.0 | 0.83x |"
     assert runs in md
