@@ -10,6 +10,7 @@ import pytest
 import redis
 import torch
 
+import trainer.train as trainer_train
 from patches.bitfit import bias_parameters, ia3_sites, scale_parameters, target_names
 from patches.data import DataError, DataFile, load_dataset, load_splits, split_dev
 from patches.format import Patch
@@ -837,6 +838,24 @@ def test_distillation_trains_regression_and_is_refused_where_it_cannot_run(tmp_p
     assert teacher.max_steps == 900 and teacher.distill == 0
     with pytest.raises(JobError, match=r"2400 updates \(3 run\(s\) x 600 \+ 600 teacher\)"):
         JobLimits(max_updates=2000).check(TrainConfig(task="t", distill=0.5), 100)
+
+
+def test_a_distilled_job_featurises_its_test_set_once(tmp_path, tiny_encoder, monkeypatch):
+    """The teacher and the kept patch are both scored on the test set; its rows are tokenised once a job."""
+    train, dev = _data(tmp_path, "classification", 32, 16)
+    (tmp_path / "test").mkdir()
+    _, test = _data(tmp_path / "test", "classification", 8, 16)  # (the folder keeps its file apart from dev's)
+    featurised: list[object] = []
+    real = trainer_train.featurize
+
+    def counting(tokenizer, ds, labels, max_len):
+        featurised.append(ds)
+        return real(tokenizer, ds, labels, max_len)
+
+    monkeypatch.setattr(trainer_train, "featurize", counting)
+    result = train_patch(tiny_encoder, train, dev, _config(min_steps=4, distill=0.5), test=test)
+    assert "test" in result.report["distill"]["teacher"] and "test" in result.report
+    assert sum(ds is test for ds in featurised) == 1 and sum(ds is train for ds in featurised) == 1
 
 
 def test_a_stop_while_the_teacher_trains_says_so(tmp_path, tiny_encoder):

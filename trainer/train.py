@@ -853,6 +853,7 @@ class PatchTraining:
         self.on_progress, self.progress_every_s, self.should_stop = on_progress, progress_every_s, should_stop
         self._models: list[TaskModel | PackedTaskModel] = []  # the model of each run
         self._runs: list[dict[str, Any]] = []
+        self._scored: dict[str, list[Features]] = {}  # the test / held-out rows featurised (_scored_features)
 
     def packed_base(self, device: torch.device) -> tuple[nn.Module, PackedBert | None]:
         """The encoder the job's packed models read on ``device``, and the ``training_bert`` they share with other
@@ -904,13 +905,21 @@ class PatchTraining:
             self.teacher_logits = predict_logits(model, self.train_f, self.pad_id, self.kind, should_stop=stop)
             shown = {k: result[k] for k in ("lr", "best_step", "steps", "planned_steps")}
             shown["dev"] = result["best_dev"]
-            if self.test is not None:
-                test_f = featurize(self.encoder.tokenizer, self.test, self.labels, self.max_len)
+            test_f = self._scored_features().get("test")
+            if test_f is not None:
                 shown["test"] = evaluate(model, test_f, self.pad_id, self.labels, should_stop=self.should_stop)
         except TrainingStopped:
             raise TrainingStopped(result["steps"], result["planned_steps"], "teacher") from None
         shown["seconds"] = time.perf_counter() - group.t0
         self.teacher = shown
+
+    def _scored_features(self) -> dict[str, list[Features]]:
+        """The test and held-out sets (those given) featurised, once a job: a distillation's teacher scores the
+        test set too."""
+        for name, ds in (("test", self.test), ("heldout", self.heldout)):
+            if ds is not None and name not in self._scored:
+                self._scored[name] = featurize(self.encoder.tokenizer, ds, self.labels, self.max_len)
+        return self._scored
 
     def close(self) -> None:
         """Release the progress bar of a training that ends without finishing."""
@@ -924,11 +933,7 @@ class PatchTraining:
         assert self.group() is None, "finish() before every run has trained"
         config, runs, models, metric = self.config, self._runs, self._models, self.metric
         train, dev, test, encoder = self.train, self.dev, self.test, self.encoder
-        scored = {
-            name: featurize(encoder.tokenizer, ds, self.labels, self.max_len)
-            for name, ds in (("test", test), ("heldout", self.heldout))
-            if ds is not None
-        }
+        scored = self._scored_features()
         shown_runs = [{k: r[k] for k in ("seed", "lr", "best_dev", "best_step", "steps", "seconds")} for r in runs]
         try:  # every run is scored, so the report shows what the restarts bought; the kept one is chosen on dev
             for name, feats in scored.items():  # alone all the same
@@ -1003,7 +1008,7 @@ class PatchTraining:
         if not config.full and config.scales == "ia3":
             report["scale_movement"] = scale_movement(model.encoder)
         del models, chosen  # the other runs' models
-        self._models, self._moved, self.teacher_logits = [], None, None
+        self._models, self._moved, self.teacher_logits, self._scored = [], None, None, {}
         if config.full:
             return TrainResult(None, report, model)
         metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}
