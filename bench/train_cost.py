@@ -213,7 +213,9 @@ def _spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     if args.run_max_steps:
         cmd += ["--run-max-steps", str(args.run_max_steps)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    line = out.strip().splitlines()[-1]
+    print(f"{mode}: {line}", file=sys.stderr, flush=True)  # each child's figures as it ends: a run cut short keeps them
+    return json.loads(line)
 
 
 def main() -> None:
