@@ -313,11 +313,6 @@ def main() -> None:
                     rec |= restart_scores(report, metric)  # each restart's scores, and their average's
                     if "contrastive" in report:  # the contrastive stage: its rounds, pairs, updates and time
                         rec["contrastive"] = report["contrastive"]
-                    if "merged" in report:  # restarts_merge=average: each learning rate's average
-                        rec["merged"] = [
-                            {"seeds": m["seeds"]} | {k: m[k][metric] for k in ("dev", "test", "heldout")}
-                            for m in report["merged"]
-                        ]
                     record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
 
 

@@ -86,11 +86,13 @@ def test_a_job_that_averages_its_restarts_is_recorded_and_shown_against_its_own_
     }
     splits = load_splits(files["train"], files["dev"], files["test"])
     config = TrainConfig(task="t", seed=3, device="cpu", epochs=2, min_steps=8, restarts=2, restarts_merge="average")
-    result = train_patch(tiny_encoder, splits.train, splits.dev, config, test=splits.test)
+    # (bench/few_sample.py scores a held-out set too: its record keeps each restart's score there as well)
+    result = train_patch(tiny_encoder, splits.train, splits.dev, config, test=splits.test, heldout=splits.train)
     rec = run_record("rotten_tomatoes", "bitfit", 3, config, result, splits, 60.0) | {"device": "cpu"}
     assert [r["seed"] for r in rec["restarts"]] == [3, 4] and rec["merged"][0]["seeds"] == [3, 4]
-    assert all(set(r) == {"seed", "dev", "test"} for r in rec["restarts"])
+    assert all(set(r) == {"seed", "dev", "test", "heldout"} for r in rec["restarts"])
     assert rec["merged"][0]["dev"] == rec["dev"] and rec["merged"][0]["test"] == rec["test"]  # the patch kept
+    assert rec["merged"][0]["heldout"] == result.report["heldout"][result.report["metric"]]
     # one run: nothing to compare
     one = TrainConfig(task="t", seed=3, device="cpu", epochs=2, min_steps=8, restarts=1)
     alone = train_patch(tiny_encoder, splits.train, splits.dev, one, test=splits.test)
