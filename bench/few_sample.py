@@ -36,6 +36,7 @@ from bench.quality import (
     SETS,
     add_run_arguments,
     already_run,
+    best_restart,
     device_of,
     differences,
     mean_std,
@@ -142,11 +143,6 @@ def _mean(values: list[float], fmt: str) -> str:
     return fmt.format(statistics.mean(values)) if values else "-"
 
 
-def _best_restart(run: dict) -> dict:
-    """The restart a run's best dev score would have kept (a tie: the first, as the trainer breaks it)."""
-    return max(run["restarts"], key=lambda r: r["dev"])
-
-
 def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -> list[str]:
     """For runs that averaged their restarts (``restarts_merge=average``), the average against the restart the
     same runs' carved dev would have kept instead: paired, so the rows drawn cancel out."""
@@ -157,7 +153,7 @@ def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
             continue
         shown = []
         for name, key in (("test", "test"), ("set's dev", "heldout")):
-            gains = [100 * (r[key] - _best_restart(r)[key]) for r in paired]
+            gains = [100 * (r[key] - best_restart(r)[key]) for r in paired]
             shown.append(f"{name} {statistics.mean(gains):+.1f} (per draw: {', '.join(f'{g:+.1f}' for g in gains)})")
         lines.append(
             f"- {ds}, {rows} rows, {mode} ({diff}, {device}): the average against the best restart by dev, "

@@ -368,6 +368,11 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
     path.write_text("\n".join(lines))
 
 
+def best_restart(run: dict) -> dict:
+    """The restart a run's best dev score would have kept (a tie: the first, as the trainer breaks it)."""
+    return max(run["restarts"], key=lambda r: r["dev"])
+
+
 def _averaged_lines(groups: dict[tuple[str, str, str, str], list[dict]]) -> list[str]:
     """For jobs that averaged their restarts into one patch (``restarts_merge=average``): the average against what
     the same job's restarts give alone, paired job by job, on dev and test -- against the restart the best dev
@@ -377,7 +382,7 @@ def _averaged_lines(groups: dict[tuple[str, str, str, str], list[dict]]) -> list
         jobs = sorted((r for r in grp if "merged" in r and "restarts" in r), key=lambda r: r["seed"])
         if not jobs:
             continue
-        kept = [max(r["restarts"], key=lambda x: x["dev"]) for r in jobs]  # a dev tie: the first, as the trainer
+        kept = [best_restart(r) for r in jobs]
         first = [r["restarts"][0] for r in jobs]
         shown = []
         for name, alone in (("the best restart by dev", kept), ("the first restart alone", first)):
