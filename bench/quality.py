@@ -60,6 +60,15 @@ FLOOR_NOTE = (
 )
 
 
+POOLING_NOTE = (
+    "Attention pooling (2026-11-26, a prototype not recorded here and not kept): a per-task query vector whose "
+    "softmax over a row's token states weights them (384 values, a zero query being the mean pooling used now). "
+    "On Rotten Tomatoes, one H100 with 13 benchmark processes at once, BitFit with it scored 83.6, 84.0 and 83.6 "
+    "on dev and 81.8, 82.1 and 82.3 on test for seeds 0-2, against today's defaults' 84.0, 83.2, 83.6 and 82.0, "
+    "82.6, 81.8 (H100): level on dev (+0.1), so it was dropped (docs/few-sample.md has its other figures)."
+)
+
+
 DISTILL_NOTE = (
     "Distilled runs (`--set distill=W`, `patchserve train --distill W`): each trains a teacher first, the encoder "
     "fully fine-tuned on the same rows at full fine-tuning's defaults and the run's seed, and the patch then learns "
@@ -320,6 +329,8 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
         FLOOR_NOTE,
         "",
         TIE_NOTE,
+        "",
+        POOLING_NOTE,
         "",
     ]
     old = [r for r in all_runs if not is_current(r)]
