@@ -163,7 +163,7 @@ def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
 
 
 #: opt-in settings whose runs are compared draw by draw with today's defaults (``_candidate_lines``)
-PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=")
+PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=")
 
 
 def _candidate_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -> list[str]:
@@ -196,8 +196,12 @@ GAP_NOTE = (
     "BitFit's defaults (73.4-73.7 and 74.8-74.9; 91.2-91.6 and 87.5-87.8). So on 256 rows tuning every weight gains "
     "nothing over the biases alone with this objective: SetFit's lead (Rotten Tomatoes 75.7, TREC 93.0) comes from "
     "its recipe, contrastive pairs over the whole body, and the same pairs on the biases alone (`contrastive=8` "
-    "above) did not carry it over. `restarts=6` on the same machine kept the best of 6 seeds by the carved dev (an "
-    "explicit restart count keeps the best): 73.8 test and 74.8 set's dev, level with the 3 seeds averaged. A learned "
+    "above) did not carry it over. More seeds did not pay either: 6 seeds with the best kept by the carved dev "
+    "(the `restarts=6, restarts_merge=best` row, same H100; an explicit restart count keeps the best) scored 73.8 "
+    "test and 74.8 set's dev, and 6 seeds averaged (`--set restarts=6 --set restarts_merge=average`, the "
+    "`restarts=6` row: 2 CPU cores, 2 at a time, 21-23 minutes a draw against 11.5 for 3) 73.6 ± 2.0 test and "
+    "set's dev +0.1 against the defaults on the same draws (the paired line above): twice the time for nothing "
+    "measurable. A learned "
     "attention pooling was tried as a prototype (not recorded here, its code not kept): a softmax over a row's "
     "tokens of each token state dotted with a per-task query vector (384 values, a zero query being the mean), "
     "which a mixed batch could serve at a bias's cost. On the frozen encoder it beat the mean by 1.8 on Rotten "
