@@ -212,11 +212,11 @@ GAP_NOTE = (
     "Rotten Tomatoes set 82.1 test and 83.7 dev over 3 seeds against 82.1 and 83.6 (docs/quality.md). The trained "
     "biases already shape what the mean pools. A head started from a linear probe (LP-FT, Kumar et al., 2022; a "
     "prototype, not kept; an earlier try lost 1.8 on draw 0) did worse again: the head's initial weights fitted "
-    "by L-BFGS to the frozen encoder's pooled "
-    "vectors of the draw's training rows (cross-entropy + 0.01 x the squared weights: 96% training accuracy, loss "
-    "0.26) scored on Rotten Tomatoes, 4 of the 5 draws on 2 CPU cores, 72.0 test and 73.4 set's dev, against the "
-    "defaults' CPU runs of the same draws set's dev -0.8, -4.1, +0.5, -1.4 (test -2.9, -4.5, +0.3, -0.9): a head "
-    "that already fits the rows leaves the biases little loss to learn from."
+    "by L-BFGS to the frozen encoder's pooled vectors of the draw's training rows (cross-entropy + 0.01 x the "
+    "squared weights: 96% training accuracy, loss 0.26) scored on Rotten Tomatoes, 4 of the 5 draws on 2 CPU "
+    "cores, 72.0 test and 73.4 set's dev, against the defaults' CPU runs of the same draws set's dev -0.8, -4.1, "
+    "+0.5, -1.4 (test -2.9, -4.5, +0.3, -0.9): a head that already fits the rows leaves the biases little loss to "
+    "learn from."
 )
 
 
