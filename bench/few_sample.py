@@ -5,13 +5,18 @@ run (Zhang et al., ICLR 2021: train small data long enough). Scored on the set's
     python bench/few_sample.py                                    # rotten_tomatoes and trec, 256 rows, 5 seeds
     python bench/few_sample.py --sets trec --sizes 64 256 --seeds 0 1 --set eval_every=3   # try a setting
     python bench/few_sample.py --modes logreg setfit              # what users would run instead, on the same draws
+    python bench/few_sample.py --quick                            # TREC draw 0, 200 updates; last line: JSON
+    python bench/few_sample.py --render                           # rewrite few-sample.md and .png from the runs
 
 The baselines (bench/baselines.py): `logreg`, the frozen encoder's floor, and `setfit`, SetFit from PyPI with its
 default settings and the default encoder as its body (`pip install -e ".[baselines]"`; scripts/test installs it).
 
 Seed s draws its rows from the set's train.jsonl (seeded sample) and trains with seed s. Each finished run is
 appended to docs/few-sample-runs.jsonl with its settings (an interrupted benchmark resumes where it stopped);
-docs/few-sample.md is rewritten from all recorded runs after each one, one row per set, size and settings.
+docs/few-sample.md is rewritten from all recorded runs after each one, one row per set, size and settings, and so
+is its figure docs/few-sample.png (runs at today's defaults and the baselines, the machine under each bar).
+``--quick`` checks that the pipeline runs on this machine (under 2 minutes on 2 CPU cores): BitFit and the floor on
+TREC's draw 0, BitFit's seeds at 200 updates instead of 600, recorded in a temporary folder, never in docs/.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ if __name__ == "__main__":  # run as a script: the repository on sys.path instea
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # benchmark) would shadow the standard library's http
 
 import argparse
-import random
+import json
+import math
 import statistics
+import tempfile
 import time
-from dataclasses import replace
+from typing import Any
 
 import torch
 
 from bench.baselines import BASELINES, BaselineResult, logreg, setfit
+from bench.common import pyplot
 from bench.quality import (
     MODES,
     SETS,
@@ -39,12 +47,16 @@ from bench.quality import (
     best_restart,
     device_of,
     differences,
+    is_current,
+    last_command,
+    load_runs,
     mean_std,
     parse_overrides,
     record_run,
     recorded,
     restart_scores,
     run_rows,
+    sample,
     settings,
 )
 from patches.data import Dataset, load_dataset, split_dev
@@ -118,14 +130,6 @@ SCHEDULE_NOTE = (
     "69.9 on test against 74.4 and 73.5: a head that already fits the 230 rows (98% of them) leaves the biases "
     "little loss to learn from, so it was dropped after one draw."
 )
-
-
-def sample(train: Dataset, size: int, seed: int) -> Dataset:
-    """``size`` rows of ``train`` drawn with ``seed`` (label set kept whole, as a user's --labels would)."""
-    if size >= len(train):
-        raise SystemExit(f"--sizes {size}: {train.source} has only {len(train)} rows")
-    rows = random.Random(1000 + seed).sample(train.examples, size)
-    return replace(train, examples=rows, source=f"{train.source} ({size} rows, seed {seed})")
 
 
 def run_baseline(
@@ -282,6 +286,70 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+# --quick: a check that the pipeline runs here, not a measurement the table could use
+QUICK_SET, QUICK_ROWS, QUICK_MIN_STEPS = "trec", 256, 200
+SHOWN = {"logreg": "floor", "bitfit": "BitFit", "full": "full FT", "setfit": "SetFit"}  # the figure's bars, in order
+
+
+def write_plot(runs: list[dict], path: Path) -> list[str]:
+    """The table's figure: a panel per set and size; a bar per mode and machine (runs at today's defaults and the
+    baselines), its mean test score over the draws, the std as an error bar and each draw a dot; the machine and
+    draw count under each bar. Returns the bars' labels; none (and no file) where there is nothing to plot or
+    matplotlib is missing."""
+    current = [r for r in runs if is_current(r) and r["mode"] in SHOWN]
+    panels = sorted({(r["set"], r["rows"]) for r in current})
+    plt = pyplot() if panels else None
+    if plt is None:
+        return []
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    labels = []
+    for ax, (ds, rows) in zip(axes[0], panels, strict=True):
+        mine = [r for r in current if (r["set"], r["rows"]) == (ds, rows)]
+        bars = sorted({(r["mode"], device_of(r)) for r in mine}, key=lambda b: (list(SHOWN).index(b[0]), b[1]))
+        bottom = max(0.0, 5 * math.floor(min(100 * r["test"] for r in mine) / 5) - 5)
+        for i, (mode, device) in enumerate(bars):
+            vals = [100 * r["test"] for r in mine if (r["mode"], device_of(r)) == (mode, device)]
+            mean, std = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+            ax.bar(i, mean, 0.6, yerr=std, capsize=3, color=f"C{list(SHOWN).index(mode)}")
+            ax.plot([i] * len(vals), vals, "k.", markersize=4)
+            ax.text(i, bottom + 1, f"{mean:.1f}", ha="center", fontsize=9, color="white", fontweight="bold")
+            machine = device.removeprefix("cuda: ").replace("NVIDIA ", "")
+            labels.append(f"{SHOWN[mode]}\n{machine}\n{len(vals)} draw{'s' * (len(vals) > 1)}")
+        ax.set_xticks(range(len(bars)), labels[-len(bars) :], fontsize=7)
+        ax.set_ylim(bottom, 100)
+        ax.set_ylabel("test accuracy (x100)")
+        ax.set_title(f"{ds}, {rows} rows: today's defaults and the baselines, same draws", fontsize=10)
+    fig.suptitle("Small data (bench/few_sample.py); the machine under each bar", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return labels
+
+
+def render(out: Path, command: str | None = None) -> list[dict]:
+    """Rewrite ``out``'s few-sample.md and few-sample.png from its few-sample-runs.jsonl; ``command``: the one to
+    show as the last (None: keep the table's own). Returns the runs."""
+    runs = load_runs(out / "few-sample-runs.jsonl")
+    table = out / "few-sample.md"
+    write_table(runs, table, command or last_command(table, "python bench/few_sample.py"))
+    write_plot(runs, out / "few-sample.png")
+    return runs
+
+
+def quick_figures(runs: list[dict]) -> dict[str, Any]:
+    """``--quick``'s last line: BitFit's test and set's-dev scores, the floor's, BitFit's gain and its minutes."""
+    by_mode = {r["mode"]: r for r in runs}
+    bitfit, floor = by_mode.get("bitfit"), by_mode.get("logreg")
+    out: dict[str, Any] = {"set": runs[0]["set"], "rows": runs[0]["rows"], "min_steps": QUICK_MIN_STEPS}
+    out["bitfit"] = round(100 * bitfit["test"], 1) if bitfit else None
+    out["bitfit_set_dev"] = round(100 * bitfit["heldout"], 1) if bitfit else None
+    out["floor"] = round(100 * floor["test"], 1) if floor else None
+    if bitfit and floor:
+        out["bitfit_minus_floor"] = round(out["bitfit"] - out["floor"], 1)
+    out["minutes_bitfit"] = round(bitfit["seconds"] / 60, 2) if bitfit else None
+    return out | {"device": device_of(runs[0])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=["rotten_tomatoes", "trec"], choices=SETS)
@@ -295,11 +363,26 @@ def main() -> None:
         help="trainer modes, or baselines on the same draws: " + "; ".join(f"{k}: {v}" for k, v in BASELINES.items()),
     )
     add_run_arguments(ap, "few-sample", "eval_every=3")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"check that the pipeline runs here (under 2 minutes on 2 CPU cores): BitFit and the floor on "
+        f"{QUICK_SET}'s draw 0 of {QUICK_ROWS} rows, BitFit's seeds at {QUICK_MIN_STEPS} updates, recorded in a "
+        "temporary folder (not docs/); prints one JSON line of the scores, not comparable with the table's",
+    )
+    ap.add_argument("--render", action="store_true", help="only rewrite few-sample.md and .png from --out's runs")
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
     out = Path(args.out)
+    if args.render:
+        render(out)
+        return
+    if args.quick:
+        args.sets, args.sizes, args.seeds, args.modes = [QUICK_SET], [QUICK_ROWS], [0], ["bitfit", "logreg"]
+        overrides["min_steps"] = QUICK_MIN_STEPS
+        out = Path(tempfile.mkdtemp(prefix="few-sample-quick-"))
     out.mkdir(parents=True, exist_ok=True)
-    runs_file, table = out / "few-sample-runs.jsonl", out / "few-sample.md"
+    runs_file = out / "few-sample-runs.jsonl"
     command = "python bench/few_sample.py " + " ".join(sys.argv[1:])
     encoder = load_encoder("default")
     device = resolve_device(args.device)
@@ -319,7 +402,7 @@ def main() -> None:
                         rec["metric"] = SELECTION_METRICS[full.kind][0]  # the kind's default
                         rec |= {"test": result.test, "dev": result.dev, "settings": result.settings}
                         rec["seconds"] = time.perf_counter() - t0
-                        record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+                        record_run(rec, device, args.note, runs_file, lambda runs: render(out, command))
                         continue
                     config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                     wanted = settings(config)
@@ -349,7 +432,9 @@ def main() -> None:
                     rec |= restart_scores(report, metric)  # each restart's scores, and their average's
                     if "contrastive" in report:  # the contrastive stage: its rounds, pairs, updates and time
                         rec["contrastive"] = report["contrastive"]
-                    record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+                    record_run(rec, device, args.note, runs_file, lambda runs: render(out, command))
+    if args.quick:
+        print(json.dumps(quick_figures(load_runs(runs_file)) | {"records": str(out)}))
 
 
 if __name__ == "__main__":

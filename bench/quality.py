@@ -5,10 +5,15 @@ encoder, with default settings, on the shared evaluation data; mean +- std over 
     python bench/quality.py --sets trec --seeds 0 --modes bitfit full --device cuda
     python bench/quality.py --sets trec --modes bitfit --set dropout=0 --out /tmp/candidate   # try a setting
     python bench/quality.py --device cuda --joint             # a set's BitFit runs in one batch (a GPU's lever)
+    python bench/quality.py --quick                           # TREC, 1,000 rows, 150 updates; last line: JSON
+    python bench/quality.py --render                          # rewrite quality.md and quality.png from the runs
 
 Each finished run is appended to docs/quality-runs.jsonl with the settings it was trained with (so an interrupted
-benchmark resumes where it stopped); docs/quality.md is rewritten from all recorded runs after each one, with only
-runs at today's defaults in its tables.
+benchmark resumes where it stopped); docs/quality.md and its figure docs/quality.png (each machine's panel names it)
+are rewritten from all recorded runs after each one, with only runs at today's defaults in them. ``--quick`` is a
+check that the whole pipeline runs on this machine, 2.5 minutes on 2 CPU cores: BitFit, full fine-tuning and
+the floor on 1,000 TREC training rows, 150 updates a run, recorded in a temporary folder, never in docs/; its
+scores are not the table's.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ if __name__ == "__main__":  # run as a script: the repository on sys.path instea
 import argparse
 import json
 import math
+import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields, replace
@@ -31,7 +38,8 @@ from typing import Any
 import torch
 
 from bench.baselines import BASELINES, logreg
-from patches.data import DataFile, Splits, load_splits
+from bench.common import pyplot
+from patches.data import DataFile, Dataset, Splits, load_splits
 from patches.encoder import Encoder, load_encoder, resolve_device
 from patches.jobs import SELECTION_METRICS, TrainConfig
 from patches.packed import packed_unsupported
@@ -42,6 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 SETS = ("rotten_tomatoes", "trec", "stsb", "banking77", "brown_pos")
 MODES = {"bitfit": {"bias_subset": "all"}, "bitfit-qi": {"bias_subset": "query-intermediate"}, "full": {"full": True}}
+MODE_NAMES = {"bitfit": "BitFit (all)", "bitfit-qi": "BitFit (q+m2)", "full": "full FT", "logreg": "floor"}
+# --quick: a check that the pipeline runs here, not a measurement the table could use
+QUICK_SET, QUICK_ROWS, QUICK_UPDATES = "trec", 1000, 150
 
 
 # Selection changed on 2026-11-23 in a way the recorded settings do not show; both tables say so.
@@ -256,14 +267,29 @@ def device_of(run: dict) -> str:
     return f"{kind}: {run['device_name']}" if run.get("device_name") else kind
 
 
-def floor_cells(runs: list[dict], device: str) -> dict[str, str]:
-    """The frozen-encoder floor of each set (bench/baselines.py), from this machine's run, else from another
-    machine's (named): the floor trains nothing on the device, so its score does not depend on it."""
-    cells: dict[str, str] = {}
+def sample(train: Dataset, size: int, seed: int) -> Dataset:
+    """``size`` rows of ``train`` drawn with ``seed`` (label set kept whole, as a user's --labels would)."""
+    if size >= len(train):
+        raise SystemExit(f"{size} rows: {train.source} has only {len(train)} rows")
+    rows = random.Random(1000 + seed).sample(train.examples, size)
+    return replace(train, examples=rows, source=f"{train.source} ({size} rows, seed {seed})")
+
+
+def floor_runs(runs: list[dict], device: str) -> dict[str, dict]:
+    """The frozen-encoder floor's run of each set (bench/baselines.py), this machine's, else another machine's: the
+    floor trains nothing on the device, so its score does not depend on it."""
+    found: dict[str, dict] = {}
     for r in sorted((r for r in runs if r["mode"] == "logreg"), key=lambda r: device_of(r) != device):
-        where = "" if device_of(r) == device else f" ({device_type(r)})"
-        cells.setdefault(r["set"], f"{100 * r['test']:.1f}{where}")
-    return cells
+        found.setdefault(r["set"], r)
+    return found
+
+
+def floor_cells(runs: list[dict], device: str) -> dict[str, str]:
+    """The floor's table cell of each set (``floor_runs``): its score, and the machine where it is not this one."""
+    return {
+        ds: f"{100 * r['test']:.1f}" + ("" if device_of(r) == device else f" ({device_type(r)})")
+        for ds, r in floor_runs(runs, device).items()
+    }
 
 
 def _set_rows(runs: list[dict], floors: dict[str, str]) -> list[str]:
@@ -379,6 +405,77 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
     path.write_text("\n".join(lines))
 
 
+def write_plot(all_runs: list[dict], path: Path) -> list[str]:
+    """The table's figure: a panel per machine (its title names it) with each set's test score at today's defaults
+    by mode (bar: mean over seeds; error bar: std) beside the floor. Returns the panels' titles; none (and no file)
+    where no run is current or matplotlib is missing."""
+    runs = [r for r in all_runs if is_current(r)]
+    devices = sorted({device_of(r) for r in runs if r["mode"] in MODES}, key=lambda d: (d.startswith("cpu"), d))
+    plt = pyplot() if devices else None
+    if plt is None:
+        return []
+    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.4 * len(devices)), squeeze=False)
+    titles = []
+    width = 0.2
+    for ax, device in zip(axes[:, 0], devices, strict=True):
+        floors = floor_runs(runs, device)
+        for k, mode in enumerate([*MODES, "logreg"]):
+            means, stds = [], []
+            for ds in SETS:
+                if mode == "logreg":
+                    vals = [100 * floors[ds]["test"]] if ds in floors else []
+                else:
+                    vals = [100 * r["test"] for r in runs if (r["set"], r["mode"], device_of(r)) == (ds, mode, device)]
+                means.append(statistics.mean(vals) if vals else math.nan)
+                stds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
+            xs = [i + (k - 1.5) * width for i in range(len(SETS))]
+            ax.bar(xs, means, width, yerr=stds, capsize=2, label=MODE_NAMES[mode])
+        ax.set_xticks(range(len(SETS)), list(SETS))
+        ax.set_ylim(70, 100)
+        ax.set_ylabel("test score (x100)")
+        title = f"{device}: today's defaults, mean ± std over seeds"
+        ax.set_title(title, fontsize=10)
+        titles.append(title)
+    axes[0, 0].legend(ncol=4, fontsize=8, loc="upper left")
+    fig.suptitle("BitFit against full fine-tuning of the same encoder (bench/quality.py)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return titles
+
+
+def last_command(table: Path, default: str) -> str:
+    """The "Last command" a table already shows (so that ``--render`` keeps it), else ``default``."""
+    if table.is_file():
+        for line in table.read_text().splitlines():
+            if "Last command: `" in line:
+                return line.split("Last command: `", 1)[1].rsplit("`", 1)[0]
+    return default
+
+
+def render(out: Path, command: str | None = None) -> list[dict]:
+    """Rewrite ``out``'s quality.md and quality.png from its quality-runs.jsonl; ``command``: the one to show as
+    the last (None: keep the table's own). Returns the runs."""
+    runs = load_runs(out / "quality-runs.jsonl")
+    table = out / "quality.md"
+    write_table(runs, table, command or last_command(table, "python bench/quality.py"))
+    write_plot(runs, out / "quality.png")
+    return runs
+
+
+def quick_figures(runs: list[dict]) -> dict[str, Any]:
+    """``--quick``'s last line: each mode's test score (x100) and minutes, BitFit minus full, and the machine."""
+    score = {r["mode"]: round(100 * r["test"], 1) for r in runs}
+    minutes = {r["mode"]: round(r["seconds"] / 60, 2) for r in runs}
+    out: dict[str, Any] = {"set": runs[0]["set"], "train_rows": runs[0].get("train_rows")}
+    out |= {"max_updates": QUICK_UPDATES, "bitfit": score.get("bitfit"), "full": score.get("full")}
+    out["floor"] = score.get("logreg")
+    if out["bitfit"] is not None and out["full"] is not None:
+        out["bitfit_minus_full"] = round(out["bitfit"] - out["full"], 1)
+    out |= {"minutes_bitfit": minutes.get("bitfit"), "minutes_full": minutes.get("full"), "device": device_of(runs[0])}
+    return out
+
+
 def best_restart(run: dict) -> dict:
     """The restart a run's best dev score would have kept (a tie: the first, as the trainer breaks it)."""
     return max(run["restarts"], key=lambda r: r["dev"])
@@ -427,6 +524,14 @@ def main() -> None:
     )
     add_run_arguments(ap, "quality", "dropout=0")
     ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"check that the pipeline runs here (2.5 minutes on 2 CPU cores): BitFit, full fine-tuning and the "
+        f"floor on {QUICK_ROWS:,} {QUICK_SET} training rows, {QUICK_UPDATES} updates a run, seed 0, recorded in a "
+        "temporary folder (not docs/); prints one JSON line of the scores, not comparable with the table's",
+    )
+    ap.add_argument("--render", action="store_true", help="only rewrite quality.md and quality.png from --out's runs")
+    ap.add_argument(
         "--joint",
         action="store_true",
         help="train each set's BitFit runs (every mode and seed asked) together in one batch, as `patchserve worker "
@@ -436,19 +541,28 @@ def main() -> None:
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
     out = Path(args.out)
+    if args.render:
+        render(out)
+        return
+    if args.quick:
+        args.sets, args.seeds, args.modes = [QUICK_SET], [0], [*[m for m in MODES if m != "bitfit-qi"], "logreg"]
+        overrides["max_steps"] = QUICK_UPDATES
+        out = Path(tempfile.mkdtemp(prefix="quality-quick-"))
     out.mkdir(parents=True, exist_ok=True)
-    runs_file, table = out / "quality-runs.jsonl", out / "quality.md"
+    runs_file = out / "quality-runs.jsonl"
     command = "python bench/quality.py " + " ".join(sys.argv[1:])
     encoder = load_encoder("default")
     device = resolve_device(args.device)
     data = Path(args.data)
 
     def record(rec: dict[str, Any]) -> None:
-        record_run(rec, device, args.note, runs_file, lambda runs: write_table(runs, table, command))
+        record_run(rec, device, args.note, runs_file, lambda runs: render(out, command))
 
     for ds in args.sets:
         train, dev, test = (DataFile.read(data / ds / f"{split}.jsonl") for split in ("train", "dev", "test"))
         splits = load_splits(train, dev, test)  # as `patchserve train --train … --dev … --test …` reads them
+        if args.quick:
+            splits = replace(splits, train=sample(splits.train, QUICK_ROWS, 0))
         together: list[tuple[str, int, TrainConfig]] = []
         for mode in args.modes:
             if mode == "logreg":
@@ -480,6 +594,8 @@ def main() -> None:
                 record(run_record(ds, mode, seed, config, result, splits, time.perf_counter() - t0))
         for mode, seed, config, result, seconds in train_jointly(encoder, splits, device, together):
             record(run_record(ds, mode, seed, config, result, splits, seconds) | {"joint": len(together)})
+    if args.quick:
+        print(json.dumps(quick_figures(load_runs(runs_file)) | {"records": str(out)}))
 
 
 def run_record(

@@ -1,5 +1,5 @@
-"""bench/few_sample.py: the rows a seed draws, the table that groups runs by set, size and settings, and the run
-records it shares with bench/quality.py."""
+"""bench/few_sample.py: the rows a seed draws, the table that groups runs by set, size and settings, the run
+records it shares with bench/quality.py, its figure, --render and --quick's last line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from bench.few_sample import sample, write_table
+from bench.baselines import BASELINES
+from bench.few_sample import QUICK_MIN_STEPS, quick_figures, render, sample, write_plot, write_table
 from bench.quality import already_run, default_settings, differences, is_current, record_run
 from patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
@@ -136,3 +137,53 @@ def test_opt_in_candidates_are_compared_with_todays_defaults_on_the_same_draws(t
         "- trec, 256 rows, bitfit (cpu): contrastive=8 against today's defaults, same draws: "
         "set's dev +0.3 (per draw: +1.6, -1.0); test +0.0 (per draw: +1.0, -1.0)"
     ) in text
+
+
+def _draws(mode: str, tests: list[float], device: str = "cpu", **more: object) -> list[dict]:
+    """One recorded run a draw at 256 rows of TREC, at today's defaults (a baseline: as it ran)."""
+    runs = []
+    for seed, test in enumerate(tests):
+        run = {"set": "trec", "rows": 256, "mode": mode, "seed": seed, "metric": "accuracy", "test": test}
+        run |= {"dev": 0.9, "seconds": 60.0, "device": device}
+        if device == "cuda":
+            run["device_name"] = "NVIDIA H200"
+        if mode not in BASELINES:
+            run |= {"settings": default_settings(mode), "heldout": test - 0.04}
+        runs.append(run | more)
+    return runs
+
+
+def test_the_figure_shows_each_mode_on_each_machine_with_its_draws(tmp_path):
+    runs = _draws("bitfit", [0.91, 0.93]) + _draws("bitfit", [0.9, 0.92, 0.94], "cuda")
+    runs += _draws("setfit", [0.95], "cuda") + _draws("logreg", [0.75, 0.77])
+    candidate = _draws("bitfit", [0.5])[0]
+    candidate["settings"] = candidate["settings"] | {"lr": 0.1}  # not today's defaults: not a bar
+    labels = write_plot([*runs, candidate], tmp_path / "f.png")
+    assert labels == [
+        "floor\ncpu\n2 draws",
+        "BitFit\ncpu\n2 draws",
+        "BitFit\nH200\n3 draws",
+        "SetFit\nH200\n1 draw",
+    ]
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert write_plot([candidate], tmp_path / "none.png") == [] and not (tmp_path / "none.png").exists()
+
+
+def test_render_keeps_the_last_command_and_quick_figures_sum_up_a_quick_run(tmp_path):
+    runs = _draws("bitfit", [0.904], min_steps=200) + _draws("logreg", [0.798])
+    write_jsonl(tmp_path / "few-sample-runs.jsonl", runs)
+    (tmp_path / "few-sample.md").write_text("Last command: `python bench/few_sample.py --sets trec`.\n")
+    assert render(tmp_path) == runs
+    assert "Last command: `python bench/few_sample.py --sets trec`." in (tmp_path / "few-sample.md").read_text()
+    assert (tmp_path / "few-sample.png").is_file()
+    assert quick_figures(runs) == {
+        "set": "trec",
+        "rows": 256,
+        "min_steps": QUICK_MIN_STEPS,
+        "bitfit": 90.4,
+        "bitfit_set_dev": 86.4,
+        "floor": 79.8,
+        "bitfit_minus_floor": 10.6,
+        "minutes_bitfit": 1.0,
+        "device": "cpu",
+    }

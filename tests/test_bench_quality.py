@@ -1,11 +1,25 @@
 """bench/quality.py --joint: a set's BitFit runs trained together in one batch train as each would alone, and the
-table shares a joint batch's wall time out over its runs; which recorded runs are at today's defaults."""
+table shares a joint batch's wall time out over its runs; which recorded runs are at today's defaults; --render's
+table and figure; --quick's last line."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.quality import MODES, _minutes, differences, is_current, run_record, settings, train_jointly, write_table
+from bench.quality import (
+    MODES,
+    QUICK_UPDATES,
+    _minutes,
+    differences,
+    is_current,
+    quick_figures,
+    render,
+    run_record,
+    settings,
+    train_jointly,
+    write_plot,
+    write_table,
+)
 from patches.data import DataFile, load_splits
 from patches.jobs import TrainConfig
 from tests.helpers import synthetic_rows, write_jsonl
@@ -115,3 +129,55 @@ def test_a_job_that_averages_its_restarts_is_recorded_and_shown_against_its_own_
         "against the first restart alone: dev +0.5 (per job: +0.0, +1.0); test +2.0 (per job: +1.0, +3.0)"
     )
     assert line in path.read_text().splitlines()
+
+
+def _quality_run(ds: str, mode: str, seed: int, test: float, device: str = "cpu", **more: object) -> dict:
+    """A recorded run at today's defaults (the floor: a logreg run) on ``device`` ("cuda" adds an H100's name)."""
+    run = {"set": ds, "mode": mode, "seed": seed, "metric": "accuracy", "test": test, "dev": test, "seconds": 60.0}
+    run |= {"train_rows": 4952, "dev_rows": 500, "device": device.split(":")[0]}
+    if device.startswith("cuda"):
+        run["device_name"] = "NVIDIA H100 80GB HBM3"
+    if mode != "logreg":
+        run["settings"] = settings(TrainConfig(task="quality", **MODES[mode]))  # type: ignore[arg-type]
+    return run | more
+
+
+def test_render_rewrites_the_table_and_a_figure_with_a_panel_per_machine(tmp_path):
+    runs = [_quality_run("trec", m, s, 0.9 + s / 100, "cuda:0") for m in MODES for s in (0, 1, 2)]
+    runs += [_quality_run("trec", "bitfit", 0, 0.95), _quality_run("trec", "logreg", 0, 0.904)]
+    candidate = _quality_run("trec", "bitfit", 0, 0.5, "cuda:0")
+    candidate["settings"] = candidate["settings"] | {"lr": 0.1}  # not today's defaults: in neither panel
+    write_jsonl(tmp_path / "quality-runs.jsonl", [*runs, candidate])
+    (tmp_path / "quality.md").write_text("...\n\nLast command: `python bench/quality.py --sets trec`.\n")
+    assert len(render(tmp_path)) == 12
+    table = (tmp_path / "quality.md").read_text()
+    assert "Last command: `python bench/quality.py --sets trec`." in table  # kept: --render trained nothing
+    assert "| trec | accuracy | 91.0 ± 1.0 (n=3) |" in table and "## cpu" in table
+    assert (tmp_path / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    titles = write_plot(runs, tmp_path / "again.png")
+    assert titles == [
+        "cuda: NVIDIA H100 80GB HBM3: today's defaults, mean ± std over seeds",
+        "cpu: today's defaults, mean ± std over seeds",
+    ]
+    assert write_plot([candidate], tmp_path / "none.png") == [] and not (tmp_path / "none.png").exists()
+
+
+def test_quick_figures_name_the_scores_minutes_and_machine():
+    runs = [
+        _quality_run("trec", "bitfit", 0, 0.932, train_rows=1000, seconds=35.0),
+        _quality_run("trec", "full", 0, 0.934, train_rows=1000, seconds=90.0),
+        _quality_run("trec", "logreg", 0, 0.866, train_rows=1000, seconds=12.0),
+    ]
+    got = quick_figures(runs)
+    assert got == {
+        "set": "trec",
+        "train_rows": 1000,
+        "max_updates": QUICK_UPDATES,
+        "bitfit": 93.2,
+        "full": 93.4,
+        "floor": 86.6,
+        "bitfit_minus_full": -0.2,
+        "minutes_bitfit": 0.58,
+        "minutes_full": 1.5,
+        "device": "cpu",
+    }
