@@ -48,12 +48,12 @@ from bench.quality import (
     device_of,
     differences,
     is_current,
-    last_command,
     load_runs,
     mean_std,
     parse_overrides,
     record_run,
     recorded,
+    render_records,
     restart_scores,
     run_rows,
     sample,
@@ -327,13 +327,8 @@ def write_plot(runs: list[dict], path: Path) -> list[str]:
 
 
 def render(out: Path, command: str | None = None) -> list[dict]:
-    """Rewrite ``out``'s few-sample.md and few-sample.png from its few-sample-runs.jsonl; ``command``: the one to
-    show as the last (None: keep the table's own). Returns the runs."""
-    runs = load_runs(out / "few-sample-runs.jsonl")
-    table = out / "few-sample.md"
-    write_table(runs, table, command or last_command(table, "python bench/few_sample.py"))
-    write_plot(runs, out / "few-sample.png")
-    return runs
+    """Rewrite ``out``'s few-sample.md and few-sample.png from its few-sample-runs.jsonl (``render_records``)."""
+    return render_records(out, "few-sample", write_table, write_plot, command)
 
 
 def quick_figures(runs: list[dict]) -> dict[str, Any]:

@@ -453,14 +453,25 @@ def last_command(table: Path, default: str) -> str:
     return default
 
 
-def render(out: Path, command: str | None = None) -> list[dict]:
-    """Rewrite ``out``'s quality.md and quality.png from its quality-runs.jsonl; ``command``: the one to show as
-    the last (None: keep the table's own). Returns the runs."""
-    runs = load_runs(out / "quality-runs.jsonl")
-    table = out / "quality.md"
-    write_table(runs, table, command or last_command(table, "python bench/quality.py"))
-    write_plot(runs, out / "quality.png")
+def render_records(
+    out: Path,
+    name: str,
+    table: Callable[[list[dict], Path, str], None],
+    plot: Callable[[list[dict], Path], object],
+    command: str | None,
+) -> list[dict]:
+    """Rewrite ``out``'s NAME.md (``table``) and NAME.png (``plot``) from its NAME-runs.jsonl; ``command``: the one
+    to show as the last (None: keep the table's own). Returns the runs."""
+    runs = load_runs(out / f"{name}-runs.jsonl")
+    path = out / f"{name}.md"
+    table(runs, path, command or last_command(path, f"python bench/{name.replace('-', '_')}.py"))
+    plot(runs, out / f"{name}.png")
     return runs
+
+
+def render(out: Path, command: str | None = None) -> list[dict]:
+    """Rewrite ``out``'s quality.md and quality.png from its quality-runs.jsonl (``render_records``)."""
+    return render_records(out, "quality", write_table, write_plot, command)
 
 
 def quick_figures(runs: list[dict]) -> dict[str, Any]:
