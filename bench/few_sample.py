@@ -357,15 +357,8 @@ def main() -> None:
         choices=[*MODES, *BASELINES],
         help="trainer modes, or baselines on the same draws: " + "; ".join(f"{k}: {v}" for k, v in BASELINES.items()),
     )
-    add_run_arguments(ap, "few-sample", "eval_every=3")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"check that the pipeline runs here (under 2 minutes on 2 CPU cores): BitFit and the floor on "
-        f"{QUICK_SET}'s draw 0 of {QUICK_ROWS} rows, BitFit's seeds at {QUICK_MIN_STEPS} updates, recorded in a "
-        "temporary folder (not docs/); prints one JSON line of the scores, not comparable with the table's",
-    )
-    ap.add_argument("--render", action="store_true", help="only rewrite few-sample.md and .png from --out's runs")
+    quick = f"BitFit and the floor on {QUICK_SET}'s draw 0 of {QUICK_ROWS} rows, BitFit's seeds at {QUICK_MIN_STEPS} "
+    add_run_arguments(ap, "few-sample", "eval_every=3", quick + "updates (under 2 minutes on 2 CPU cores)")
     args = ap.parse_args()
     overrides = parse_overrides(args.overrides)
     out = Path(args.out)

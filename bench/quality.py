@@ -190,8 +190,16 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def add_run_arguments(ap: argparse.ArgumentParser, records: str, example: str) -> None:
-    """The arguments the benchmarks here share: the device, where data and records live, the note, candidates."""
+def add_run_arguments(ap: argparse.ArgumentParser, records: str, example: str, quick: str) -> None:
+    """The arguments the benchmarks here share: the device, where data and records live, the note, candidates,
+    ``--quick`` (``quick``: what it trains) and ``--render``."""
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"check that the pipeline runs here: {quick}, recorded in a temporary folder (not docs/); prints one "
+        "JSON line of the scores, not comparable with the table's",
+    )
+    ap.add_argument("--render", action="store_true", help=f"only rewrite {records}.md and .png from --out's runs")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(ROOT / "docs"), help=f"folder of {records}-runs.jsonl and {records}.md")
     ap.add_argument("--data", default=str(DATA), help="folder of SET/{train,dev,test}.jsonl (default: %(default)s)")
@@ -533,15 +541,8 @@ def main() -> None:
         choices=[*MODES, "logreg"],
         help=f"trainer modes, and logreg: the floor ({BASELINES['logreg']}; one run per set)",
     )
-    add_run_arguments(ap, "quality", "dropout=0")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"check that the pipeline runs here (2.5 minutes on 2 CPU cores): BitFit, full fine-tuning and the "
-        f"floor on {QUICK_ROWS:,} {QUICK_SET} training rows, {QUICK_UPDATES} updates a run, seed 0, recorded in a "
-        "temporary folder (not docs/); prints one JSON line of the scores, not comparable with the table's",
-    )
-    ap.add_argument("--render", action="store_true", help="only rewrite quality.md and quality.png from --out's runs")
+    quick = f"BitFit, full fine-tuning and the floor on {QUICK_ROWS:,} {QUICK_SET} training rows, {QUICK_UPDATES} "
+    add_run_arguments(ap, "quality", "dropout=0", quick + "updates a run, seed 0 (2.5 minutes on 2 CPU cores)")
     ap.add_argument(
         "--joint",
         action="store_true",
