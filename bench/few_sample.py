@@ -332,9 +332,10 @@ def write_plot(runs: list[dict], path: Path) -> list[str]:
     return labels
 
 
-def render(out: Path, command: str | None = None) -> list[dict]:
-    """Rewrite ``out``'s few-sample.md and few-sample.png from its few-sample-runs.jsonl (``render_records``)."""
-    return render_records(out, "few-sample", write_table, write_plot, command)
+def render(out: Path, command: str | None = None, runs: list[dict] | None = None) -> list[dict]:
+    """Rewrite ``out``'s few-sample.md and few-sample.png from ``runs`` or its few-sample-runs.jsonl
+    (``render_records``)."""
+    return render_records(out, "few-sample", write_table, write_plot, command, runs)
 
 
 def quick_figures(runs: list[dict]) -> dict[str, Any]:
@@ -396,7 +397,7 @@ def main() -> None:
                         rec["metric"] = SELECTION_METRICS[full.kind][0]  # the kind's default
                         rec |= {"test": result.test, "dev": result.dev, "settings": result.settings}
                         rec["seconds"] = time.perf_counter() - t0
-                        record_run(rec, device, args.note, runs_file, lambda runs: render(out, command))
+                        record_run(rec, device, args.note, runs_file, lambda runs: render(out, command, runs))
                         continue
                     config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
                     wanted = settings(config)
@@ -426,7 +427,7 @@ def main() -> None:
                     rec |= restart_scores(report, metric)  # each restart's scores, and their average's
                     if "contrastive" in report:  # the contrastive stage: its rounds, pairs, updates and time
                         rec["contrastive"] = report["contrastive"]
-                    record_run(rec, device, args.note, runs_file, lambda runs: render(out, command))
+                    record_run(rec, device, args.note, runs_file, lambda runs: render(out, command, runs))
     if args.quick:
         print(json.dumps(quick_figures(load_runs(runs_file)) | {"records": str(out)}))
 

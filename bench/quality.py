@@ -467,19 +467,20 @@ def render_records(
     table: Callable[[list[dict], Path, str], None],
     plot: Callable[[list[dict], Path], object],
     command: str | None,
+    runs: list[dict] | None = None,
 ) -> list[dict]:
-    """Rewrite ``out``'s NAME.md (``table``) and NAME.png (``plot``) from its NAME-runs.jsonl; ``command``: the one
-    to show as the last (None: keep the table's own). Returns the runs."""
-    runs = load_runs(out / f"{name}-runs.jsonl")
+    """Rewrite ``out``'s NAME.md (``table``) and NAME.png (``plot``) from ``runs`` (None: its NAME-runs.jsonl);
+    ``command``: the one to show as the last (None: keep the table's own). Returns the runs."""
+    runs = load_runs(out / f"{name}-runs.jsonl") if runs is None else runs
     path = out / f"{name}.md"
     table(runs, path, command or last_command(path, f"python bench/{name.replace('-', '_')}.py"))
     plot(runs, out / f"{name}.png")
     return runs
 
 
-def render(out: Path, command: str | None = None) -> list[dict]:
-    """Rewrite ``out``'s quality.md and quality.png from its quality-runs.jsonl (``render_records``)."""
-    return render_records(out, "quality", write_table, write_plot, command)
+def render(out: Path, command: str | None = None, runs: list[dict] | None = None) -> list[dict]:
+    """Rewrite ``out``'s quality.md and quality.png from ``runs`` or its quality-runs.jsonl (``render_records``)."""
+    return render_records(out, "quality", write_table, write_plot, command, runs)
 
 
 def quick_figures(runs: list[dict]) -> dict[str, Any]:
@@ -557,7 +558,7 @@ def main() -> None:
         render(out)
         return
     if args.quick:
-        args.sets, args.seeds, args.modes = [QUICK_SET], [0], [*[m for m in MODES if m != "bitfit-qi"], "logreg"]
+        args.sets, args.seeds, args.modes = [QUICK_SET], [0], ["bitfit", "full", "logreg"]
         overrides["max_steps"] = QUICK_UPDATES
         out = Path(tempfile.mkdtemp(prefix="quality-quick-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -568,7 +569,7 @@ def main() -> None:
     data = Path(args.data)
 
     def record(rec: dict[str, Any]) -> None:
-        record_run(rec, device, args.note, runs_file, lambda runs: render(out, command))
+        record_run(rec, device, args.note, runs_file, lambda runs: render(out, command, runs))
 
     for ds in args.sets:
         train, dev, test = (DataFile.read(data / ds / f"{split}.jsonl") for split in ("train", "dev", "test"))
