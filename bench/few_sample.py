@@ -167,13 +167,13 @@ def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
 
 
 #: opt-in settings whose runs are compared draw by draw with today's defaults (``_candidate_lines``)
-PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=")
+PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=", "head_init=")
 
 
 def _candidate_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -> list[str]:
     """Where an opt-in candidate (one of PAIRED_CANDIDATES, nothing else changed: a contrastive stage, LayerNorm
-    gains) and today's defaults ran on the same draws: the candidate's gain on each draw, paired, so the rows drawn
-    cancel out."""
+    gains, a label-name head) and today's defaults ran on the same draws: the candidate's gain on each draw, paired,
+    so the rows drawn cancel out."""
     lines = []
     for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
         without = groups.get((ds, rows, mode, "today's defaults", device), [])

@@ -118,10 +118,16 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
     unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
     restart, no ``contrastive`` had no contrastive stage, no ``scales`` trained biases only, no ``distill`` had no
-    teacher. Where one run trained, ``restarts_merge`` did nothing and is left out; without a teacher,
-    ``distill_temperature`` did nothing and reads as its default."""
+    teacher, no ``head_init`` started a random head. Where one run trained, ``restarts_merge`` did nothing and is
+    left out; without a teacher, ``distill_temperature`` did nothing and reads as its default."""
     default_temperature = RESOLVER.distill_temperature
-    out = {"contrastive": 0, "scales": "none", "distill": 0.0, "distill_temperature": default_temperature}
+    out = {
+        "contrastive": 0,
+        "scales": "none",
+        "distill": 0.0,
+        "distill_temperature": default_temperature,
+        "head_init": "random",
+    }
     out |= run_settings
     if not out["distill"]:
         out["distill_temperature"] = default_temperature

@@ -152,6 +152,11 @@ class TrainConfig:
     # al., 2015: KL divergence x T^2); for regression, its predicted scores (mean squared error). 0: none
     distill: Annotated[float, Field(ge=0, le=1)] = 0.0
     distill_temperature: Annotated[float, Field(gt=0, le=100)] = 2.0
+    # where each run's head starts (classification, opt-in): "random", a freshly initialised linear layer; "labels",
+    # each class's row is the frozen encoder's pooled unit vector of the label's name ("positive", "card arrival":
+    # underscores read as spaces) and the bias 0, so the head scores a row by its cosine-like agreement with the
+    # names before any training -- a zero-shot start for labels that mean something (docs/few-sample.md)
+    head_init: Literal["random", "labels"] = "random"
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -176,6 +181,7 @@ class TrainConfig:
         if self.kind in KINDS:
             self.contrastive_rounds(self.kind)
             self.check_distill(self.kind)
+            self.check_head_init(self.kind)
 
     def selection_metric(self, kind: str, labels: Sequence[Label]) -> str:
         """The dev metric that chooses checkpoints and restarts for a task of ``kind`` with these labels (tags):
@@ -222,6 +228,7 @@ class TrainConfig:
         self.selection_metric(kind, labels)
         self.contrastive_rounds(kind)
         self.check_distill(kind)
+        self.check_head_init(kind)
 
     def check_distill(self, kind: str) -> None:
         """A JobError where ``distill`` is set for a task of ``kind`` it cannot train (tagging: checked before any
@@ -230,6 +237,15 @@ class TrainConfig:
             raise JobError(
                 f"training config: distill follows a teacher's outputs per row, for classification or regression, "
                 f"not {kind}; set distill to 0"
+            )
+
+    def check_head_init(self, kind: str) -> None:
+        """A JobError where ``head_init`` asks for a start the task of ``kind`` cannot take: label-name heads score
+        a pooled sentence vector, so classification only (checked before any training)."""
+        if self.head_init == "labels" and kind != "classification":
+            raise JobError(
+                f"training config: head_init 'labels' starts a sentence classifier from its label names, not a "
+                f"{kind} head; set head_init to 'random'"
             )
 
     def teacher_config(self) -> TrainConfig:
@@ -251,6 +267,7 @@ class TrainConfig:
             scales="none",
             contrastive=0,
             distill=0.0,
+            head_init="random",
         ).resolved()
 
     def contrastive_rounds(self, kind: str) -> int:

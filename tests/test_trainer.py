@@ -29,6 +29,7 @@ from trainer.train import (
     distill_loss,
     evaluate,
     featurize,
+    label_vectors,
     progress_line,
     train_patch,
 )
@@ -865,6 +866,93 @@ def test_a_stop_while_the_teacher_trains_says_so(tmp_path, tiny_encoder):
         train_patch(tiny_encoder, train, dev, _config(distill=0.5), should_stop=lambda: next(calls) >= 3)
 
 
+def _name_vector(encoder, name: str) -> torch.Tensor:
+    """The encoder's mean-pooled unit vector of one text, encoded alone (no padding)."""
+    enc = encoder.tokenizer(name, return_tensors="pt")
+    with torch.no_grad():
+        hidden = encoder.model.eval()(**enc).last_hidden_state[0]
+    return torch.nn.functional.normalize(hidden.mean(0), dim=-1)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_a_label_name_head_starts_every_run_from_the_names_and_the_patch_serves_as_trained(
+    tmp_path, tiny_bert_dir, tiny_encoder, packed
+):
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    names = torch.stack([_name_vector(tiny_encoder, str(label)) for label in train.labels])
+    restarts = 2 if packed else 1
+    config = _config(min_steps=20, head_init="labels", restarts=restarts, restarts_merge="average")
+    training = PatchTraining(tiny_encoder, train, dev, config, packed=packed)
+    runs = training.group()  # before the first update
+    assert runs is not None
+    if packed:
+        assert isinstance(runs.model, PackedTaskModel)
+        starts = [(runs.model.head_weights[r], runs.model.head_biases[r]) for r in range(restarts)]
+    else:
+        starts = [(runs.model.head.weight, runs.model.head.bias)]
+    for weight, bias in starts:
+        torch.testing.assert_close(weight.detach(), names, rtol=0, atol=1e-5)
+        assert torch.equal(bias.detach(), torch.zeros(len(train.labels)))
+    trainer = JointTrainer([training])
+    while len(trainer):
+        assert all(error is None for _, error in trainer.step())
+    result = training.finish()
+    assert result.report["selection"]["head_init"] == "labels"
+    assert result.patch is not None and result.patch.meta.training["head_init"] == "labels"
+    assert not torch.allclose(result.patch.head_weight, names), "the head did not train"
+    _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, train.labels)
+    default = train_patch(tiny_encoder, train, dev, _config(min_steps=4))
+    assert default.report["selection"]["head_init"] == "random" and "head_init" not in default.patch.meta.training
+
+
+def test_label_names_read_as_lower_case_text_with_underscores_as_spaces(tiny_encoder):
+    got = label_vectors(tiny_encoder, ["Card_Arrival", "positive", 7], "mean", 128)
+    want = torch.stack([_name_vector(tiny_encoder, text) for text in ("card arrival", "positive", "7")])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_label_name_head_is_refused_where_no_sentence_is_classified(tmp_path, tiny_encoder):
+    assert TrainConfig(task="t").head_init == "random"
+    with pytest.raises(JobError, match="head_init 'labels' starts a sentence classifier"):
+        TrainConfig(task="t", kind="regression", head_init="labels")
+    with pytest.raises(JobError, match="head_init"):
+        TrainConfig.from_dict({"task": "t", "head_init": "names"})
+    for kind in ("regression", "token-classification"):
+        rows, rows_dev = _data(tmp_path, kind, 32, 8)
+        with pytest.raises(JobError, match=f"not a {kind} head; set head_init to 'random'"):
+            train_patch(tiny_encoder, rows, rows_dev, _config(head_init="labels"))
+    assert TrainConfig(task="t", full=True, distill=0.0, head_init="labels").teacher_config().head_init == "random"
+
+
+def test_a_label_name_head_on_the_real_encoder_classifies_sentiment_before_any_training(minilm):
+    from patches.data import Dataset, Example
+
+    train = Dataset(
+        examples=[Example(text="a film", label=label) for label in ("negative", "positive")],
+        kind="classification",
+        labels=["negative", "positive"],
+        source="t",
+    )
+    training = PatchTraining(
+        minilm, train, train, TrainConfig(task="t", head_init="labels", restarts=1, device="cpu"), packed=False
+    )
+    runs = training.group()
+    assert runs is not None and isinstance(runs.model, TaskModel)
+    # matched pairs: each praise leans further to "positive" than its twin complaint (a weak zero-shot start, 64% on
+    # Rotten Tomatoes' test, but one that knows which way the names point)
+    pairs = [
+        ("a wonderful, moving and funny film", "a dull, tedious and boring mess"),
+        ("brilliant acting", "awful"),
+        ("a great movie", "a terrible movie"),
+        ("i loved it", "i hated it"),
+    ]
+    enc = minilm.tokenizer([t for pair in pairs for t in pair], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = runs.model.eval()(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
+    lean = (logits[:, 1] - logits[:, 0]).view(-1, 2)
+    assert (lean[:, 0] > lean[:, 1]).all(), lean
+
+
 def test_cli_train_takes_distill(tmp_path, tiny_bert_dir, capsys):
     from patches.cli import main
 
@@ -878,3 +966,17 @@ def test_cli_train_takes_distill(tmp_path, tiny_bert_dir, capsys):
     assert Patch.read(tmp_path / "sent.safetensors").meta.training["distill"] == 0.5
     assert main([*argv, "--distill", "0.5", "--full"]) == 1
     assert "drop it or full" in capsys.readouterr().err
+
+
+def test_cli_train_takes_head_init(tmp_path, tiny_bert_dir, capsys):
+    from patches.cli import main
+
+    rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
+    argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
+    argv += ["--restarts", "1", "--out", str(tmp_path / "sent.safetensors")]
+    assert main([*argv, "--train", str(rows), "--head-init", "labels"]) == 0
+    assert json.loads(capsys.readouterr().out)["selection"]["head_init"] == "labels"
+    assert Patch.read(tmp_path / "sent.safetensors").meta.training["head_init"] == "labels"
+    scores = write_jsonl(tmp_path / "scores.jsonl", synthetic_rows("regression", 40, seed=1))
+    assert main([*argv, "--train", str(scores), "--head-init", "labels"]) == 1
+    assert "set head_init to 'random'" in capsys.readouterr().err

@@ -382,6 +382,8 @@ def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_rea
         ({"distill": 1.5}, "distill: Input should be less than or equal to 1"),
         ({"distill": 0.5, "full": True}, "distill trains a patch from a full fine-tune; drop it or full"),
         ({"distill": 0.5, "kind": "token-classification"}, "or regression, not token-classification"),
+        ({"head_init": "names"}, "head_init: Input should be 'random' or 'labels'"),
+        ({"head_init": "labels", "kind": "regression"}, "head_init 'labels' starts a sentence classifier"),
     ],
 )
 def test_job_configs_are_validated_strictly_at_the_door(redis_ns, tiny_bert_dir, change, problem):

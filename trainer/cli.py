@@ -97,6 +97,14 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "rounds at 256 rows scored level with none on Rotten Tomatoes and TREC, docs/few-sample.md)",
     )
     p.add_argument(
+        "--head-init",
+        choices=["random", "labels"],
+        default="random",
+        help="where the head starts (classification): 'random', or 'labels': each class's row is the frozen "
+        "encoder's sentence vector of its label's name, so labels that mean something ('positive', 'card_arrival') "
+        "give a zero-shot start (default random; see docs/few-sample.md for what it scored)",
+    )
+    p.add_argument(
         "--distill",
         type=float,
         default=0.0,
@@ -171,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "restarts": args.restarts,
         "restarts_merge": args.restarts_merge,
         "contrastive": args.contrastive,
+        "head_init": args.head_init,
         "distill": args.distill,
         "distill_temperature": args.distill_temperature,
         "batch_size": args.batch_size,

@@ -50,7 +50,7 @@ from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
 from patches.jobs import CONTRASTIVE_PAIRS_PER_UPDATE, SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
-from patches.model import TaskModel
+from patches.model import TaskModel, pool
 from patches.packed import PackedBert, packed_unsupported
 from patches.packed_model import PackedTaskModel, Part, joint_forward
 from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
@@ -166,6 +166,30 @@ def distill_loss(
         student, target = nn.functional.log_softmax(logits / t, -1), nn.functional.log_softmax(teacher / t, -1)
         soft = nn.functional.kl_div(student, target, reduction="batchmean", log_target=True) * (t * t)
     return (1 - weight) * hard + weight * soft
+
+
+@torch.no_grad()
+def label_vectors(encoder: Encoder, labels: Sequence[Label], pooling: str, max_len: int) -> torch.Tensor:
+    """The frozen encoder's pooled unit vector of each label's name ([C, hidden] float32, on the CPU): the rows of
+    a label-name head (``head_init="labels"``). A name is read as text, lower-cased, underscores as spaces."""
+    names = [str(label).replace("_", " ").lower() for label in labels]
+    model = encoder.model
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(0, len(names), 64):
+            enc = encoder.tokenizer(
+                names[i : i + 64], padding=True, truncation=True, max_length=max_len, return_tensors="pt"
+            ).to(device)
+            result = model(**enc)
+            pooler = getattr(result, "pooler_output", None)
+            pooled = pool(pooling, result.last_hidden_state, enc["attention_mask"], pooler)
+            out.append(nn.functional.normalize(pooled.float(), dim=-1).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -541,7 +565,12 @@ class _RunGroup:
         heads = []
         for _, seed in specs:  # each run's head starts where a run of its own would start it; restarts that are
             torch.manual_seed(config.seed if config.restarts_merge == "average" else seed)  # averaged start alike
-            heads.append(nn.Linear(encoder.hidden_size, n_out))
+            head = nn.Linear(encoder.hidden_size, n_out)
+            if config.head_init == "labels":  # every run alike: the label names' vectors, no bias
+                with torch.no_grad():
+                    head.weight.copy_(job.label_vectors())
+                    head.bias.zero_()
+            heads.append(head)
         self.model: TaskModel | PackedTaskModel
         groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
         if packed:
@@ -824,6 +853,8 @@ class PatchTraining:
             why = unsupported or "packed=False"
             raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
         config.check_distill(kind)
+        config.check_head_init(kind)
+        self._label_vectors: torch.Tensor | None = None
         rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
             why = unsupported or "packed=False"
@@ -865,6 +896,13 @@ class PatchTraining:
         if self._moved is None:  # (a job trains on one device)
             self._moved = copy.deepcopy(base).to(device)
         return self._moved, None
+
+    def label_vectors(self) -> torch.Tensor:
+        """The rows of a label-name head (``head_init="labels"``): the frozen encoder's vectors of the label names,
+        computed once for the job's runs."""
+        if self._label_vectors is None:
+            self._label_vectors = label_vectors(self.encoder, self.labels, self.pooling, self.max_len)
+        return self._label_vectors
 
     def group(self) -> _RunGroup | _ContrastiveStage | None:
         """The stage that trains now (None: every run has trained): the contrastive stage where there is one, then
@@ -979,6 +1017,7 @@ class PatchTraining:
                 "restarts_why": self.restarts_why,
                 "restarts_merge": config.restarts_merge,
                 "contrastive": config.contrastive,
+                "head_init": config.head_init,
                 "checkpoint": self.checkpoint,
                 "checkpoint_why": self.checkpoint_why,
                 "learning_rates": self.lrs,
@@ -1030,6 +1069,7 @@ class PatchTraining:
             | {"restarts": config.restarts}
             | ({"restarts_merge": "average"} if merged is not None else {})
             | ({"contrastive": config.contrastive} if self.contrastive is not None else {})
+            | ({"head_init": "labels"} if config.head_init == "labels" else {})
             | ({"distill": config.distill} if self.teacher is not None else {}),
         )
         patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
