@@ -49,6 +49,13 @@ from trainer.train import JointTrainer, PatchTraining, TrainResult, train_patch
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 SETS = ("rotten_tomatoes", "trec", "stsb", "banking77", "brown_pos")
+SET_KINDS = {
+    "rotten_tomatoes": "classification",
+    "trec": "classification",
+    "stsb": "regression",
+    "banking77": "classification",
+    "brown_pos": "token-classification",
+}
 MODES = {"bitfit": {"bias_subset": "all"}, "bitfit-qi": {"bias_subset": "query-intermediate"}, "full": {"full": True}}
 MODE_NAMES = {"bitfit": "BitFit (all)", "bitfit-qi": "BitFit (q+m2)", "full": "full FT", "logreg": "floor"}
 # --quick: a check that the pipeline runs here, not a measurement the table could use
@@ -112,10 +119,11 @@ def default_settings(mode: str) -> dict[str, Any]:
     return settings(TrainConfig(task="quality", **MODES[mode]))  # type: ignore[arg-type]
 
 
-def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float) -> dict[str, Any]:
-    """Settings as they acted on a run with these row counts: an unset ``restarts`` is what it resolves to there
-    (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev set), and an
-    unset ``metric`` is the kind's default. Runs recorded before a setting existed ran as its old behaviour:
+def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float, kind: str) -> dict[str, Any]:
+    """Settings as they acted on a run of a task of ``kind`` with these row counts: an unset ``restarts`` is what it
+    resolves to there (1 on every full set, 3 on small data), an unset ``checkpoint`` likewise ("last" on a tiny dev
+    set), an unset ``head_init`` likewise (label names for a classifier on small data), and an unset ``metric`` is
+    the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
     restart, no ``contrastive`` had no contrastive stage, no ``scales`` trained biases only, no ``distill`` had no
     teacher, no ``head_init`` started a random head. Where one run trained, ``restarts_merge`` did nothing and is
@@ -143,6 +151,9 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
         out["checkpoint"] = "best"
     elif out["checkpoint"] is None:
         out["checkpoint"] = RESOLVER.checkpoint_for(dev_rows)  # type: ignore[arg-type]
+    if out["head_init"] is None:
+        resolver = replace(RESOLVER, full=bool(out.get("full")))
+        out["head_init"] = resolver.head_init_for(out.get("kind") or kind, train_rows)  # type: ignore[arg-type]
     if out.get("metric") is None:
         out.pop("metric", None)
     return out
@@ -151,13 +162,14 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float)
 RESOLVER = TrainConfig(task="quality")  # resolves an unset restarts / checkpoint exactly as the trainer does
 
 
-def run_rows(run: dict) -> tuple[float, float]:
-    """(training rows, dev rows) of a recorded run: few-sample runs carve 10% of their rows as dev; the quality
-    table's sets are all large."""
+def run_shape(run: dict) -> tuple[float, float, str]:
+    """(training rows, dev rows, task kind) of a recorded run: few-sample runs carve 10% of their rows as dev; the
+    quality table's sets are all large."""
+    kind = SET_KINDS.get(run.get("set", ""), "classification")
     if "rows" in run:
         dev = max(1, round(0.1 * run["rows"]))
-        return run["rows"] - dev, dev
-    return float(run.get("train_rows") or math.inf), float(run.get("dev_rows") or math.inf)
+        return run["rows"] - dev, dev, kind
+    return float(run.get("train_rows") or math.inf), float(run.get("dev_rows") or math.inf), kind
 
 
 def is_current(run: dict) -> bool:
@@ -165,8 +177,10 @@ def is_current(run: dict) -> bool:
     always counts: it has no settings of ours)."""
     if run["mode"] in BASELINES:
         return True
-    rows = run_rows(run)
-    return "settings" in run and as_trained(run["settings"], *rows) == as_trained(default_settings(run["mode"]), *rows)
+    shape = run_shape(run)
+    return "settings" in run and as_trained(run["settings"], *shape) == as_trained(
+        default_settings(run["mode"]), *shape
+    )
 
 
 def differences(run: dict) -> str:
@@ -176,8 +190,8 @@ def differences(run: dict) -> str:
         return BASELINES[run["mode"]]
     if "settings" not in run:
         return "unrecorded"
-    rows = run_rows(run)
-    today, mine = as_trained(default_settings(run["mode"]), *rows), as_trained(run["settings"], *rows)
+    shape = run_shape(run)
+    today, mine = as_trained(default_settings(run["mode"]), *shape), as_trained(run["settings"], *shape)
     return ", ".join(f"{k}={v}" for k, v in mine.items() if today.get(k) != v) or "today's defaults"
 
 
@@ -224,13 +238,13 @@ def add_run_arguments(ap: argparse.ArgumentParser, records: str, example: str, q
 
 
 def already_run(
-    runs_file: Path, wanted: dict[str, Any], row_counts: tuple[float, float], device: torch.device, **key: Any
+    runs_file: Path, wanted: dict[str, Any], shape: tuple[float, float, str], device: torch.device, **key: Any
 ) -> bool:
-    """Whether ``runs_file`` holds a run trained as ``wanted`` trains on ``row_counts`` (training, dev) rows, on this
-    kind of device, with these fields (set, seed..)."""
-    goal = as_trained(wanted, *row_counts)
+    """Whether ``runs_file`` holds a run trained as ``wanted`` trains with ``shape`` (training rows, dev rows, task
+    kind: ``run_shape``), on this kind of device, with these fields (set, seed..)."""
+    goal = as_trained(wanted, *shape)
     return any(
-        "settings" in r and as_trained(r["settings"], *row_counts) == goal for r in recorded(runs_file, device, **key)
+        "settings" in r and as_trained(r["settings"], *shape) == goal for r in recorded(runs_file, device, **key)
     )
 
 
@@ -602,8 +616,8 @@ def main() -> None:
                 continue
             for seed in args.seeds:
                 config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
-                rows = (len(splits.train), len(splits.dev))
-                if already_run(runs_file, settings(config), rows, device, set=ds, mode=mode, seed=seed):
+                shape = (len(splits.train), len(splits.dev), splits.train.kind)
+                if already_run(runs_file, settings(config), shape, device, set=ds, mode=mode, seed=seed):
                     continue
                 if args.joint and not config.full and packed_unsupported(encoder.model) is None:
                     together.append((mode, seed, config))  # trained below, in one batch with the set's other runs

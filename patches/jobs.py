@@ -152,11 +152,13 @@ class TrainConfig:
     # al., 2015: KL divergence x T^2); for regression, its predicted scores (mean squared error). 0: none
     distill: Annotated[float, Field(ge=0, le=1)] = 0.0
     distill_temperature: Annotated[float, Field(gt=0, le=100)] = 2.0
-    # where each run's head starts (classification, opt-in): "random", a freshly initialised linear layer; "labels",
-    # each class's row is the frozen encoder's pooled unit vector of the label's name ("positive", "card arrival":
-    # underscores read as spaces) and the bias 0, so the head scores a row by its cosine-like agreement with the
-    # names before any training -- a zero-shot start for labels that mean something (docs/few-sample.md)
-    head_init: Literal["random", "labels"] = "random"
+    # where each run's head starts: "random", a freshly initialised linear layer; "labels" (classification), each
+    # class's row is the frozen encoder's pooled unit vector of the label's name ("positive", "card arrival":
+    # underscores read as spaces) and the bias 0, so the head scores a row by its agreement with the names before
+    # any training -- a zero-shot start. None: labels for a patch of a classification task on small data (under
+    # SMALL_DATA_ROWS training rows, where it scored better on the sets' own dev splits, docs/few-sample.md), else
+    # random
+    head_init: Literal["random", "labels"] | None = None
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
 
     def __post_init__(self) -> None:
@@ -238,6 +240,14 @@ class TrainConfig:
                 f"training config: distill follows a teacher's outputs per row, for classification or regression, "
                 f"not {kind}; set distill to 0"
             )
+
+    def head_init_for(self, kind: str, train_rows: int) -> Literal["random", "labels"]:
+        """Where the heads of a task of ``kind`` on ``train_rows`` rows start: ``head_init``, or when unset the label
+        names for a patch (not ``full``) of a classification task on small data (SMALL_DATA_ROWS), else random."""
+        if self.head_init is not None:
+            return self.head_init
+        small = train_rows < SMALL_DATA_ROWS
+        return "labels" if kind == "classification" and small and not self.full else "random"
 
     def check_head_init(self, kind: str) -> None:
         """A JobError where ``head_init`` asks for a start the task of ``kind`` cannot take: label-name heads score

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.baselines import BASELINES
-from bench.few_sample import QUICK_MIN_STEPS, quick_figures, render, sample, write_plot, write_table
+from bench.few_sample import QUICK_MIN_STEPS, _changes, quick_figures, render, sample, write_plot, write_table
 from bench.quality import already_run, default_settings, differences, is_current, record_run
 from patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
@@ -90,17 +90,30 @@ def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
     # today's defaults do there; a 256-row run recorded the same way did not (today: 3 seeds and the last checkpoint)
     old = default_settings("bitfit") | {"restarts": 1}
     del old["checkpoint"], old["metric"], old["restarts_merge"], old["contrastive"]  # (no stage before it existed)
+    del old["head_init"]  # (a random head before label-name heads existed)
     assert is_current({"mode": "bitfit", "settings": old})
-    assert differences({"mode": "bitfit", "rows": 256, "settings": old}) == "restarts=1, checkpoint=best"
+    assert differences({"mode": "bitfit", "rows": 256, "settings": old}) == (
+        "head_init=random, restarts=1, checkpoint=best"
+    )
     assert is_current({"mode": "bitfit", "rows": 256, "settings": default_settings("bitfit")})
     stage = default_settings("bitfit") | {"contrastive": 8}
     assert differences({"mode": "bitfit", "rows": 256, "settings": stage}) == "contrastive=8"
+    # an unset head_init starts a small classifier from its label names, and nothing else
+    labelled = default_settings("bitfit") | {"head_init": "labels"}
+    assert is_current({"set": "trec", "mode": "bitfit", "rows": 256, "settings": labelled})
+    assert differences({"set": "trec", "mode": "bitfit", "train_rows": 5000, "settings": labelled}) == (
+        "head_init=labels"
+    )
+    assert is_current({"set": "stsb", "mode": "bitfit", "rows": 256, "settings": default_settings("bitfit")})
+    assert not is_current({"set": "stsb", "mode": "bitfit", "rows": 256, "settings": labelled})
+    full = default_settings("full")
+    assert not is_current({"set": "trec", "mode": "full", "rows": 256, "settings": full | {"head_init": "labels"}})
 
 
 def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys):
     runs_file, today, cpu = tmp_path / "runs.jsonl", default_settings("bitfit"), torch.device("cpu")
     seen: list[list[dict]] = []
-    small = (230, 26)  # 256 rows: training and carved dev
+    small = (230, 26, "classification")  # 256 rows: training and carved dev
     assert not already_run(runs_file, today, small, cpu, set="trec", rows=256, seed=0)  # no file yet
     record_run({"set": "trec", "rows": 256, "seed": 0, "settings": today}, cpu, "shared", runs_file, seen.append)
     rec = json.loads(runs_file.read_text())
@@ -124,14 +137,25 @@ def test_opt_in_candidates_are_compared_with_todays_defaults_on_the_same_draws(t
         run | {"seed": 0, "test": 0.91, "heldout": 0.864, "dev": 0.9, "settings": today},
         run | {"seed": 1, "test": 0.91, "heldout": 0.87, "dev": 0.9, "settings": today},
         run | {"seed": 1, "test": 0.93, "heldout": 0.85, "dev": 0.9, "settings": gains},
-        run | {"seed": 1, "test": 0.50, "heldout": 0.50, "dev": 0.9, "settings": both},  # two changes: not paired
+        run | {"seed": 1, "test": 0.50, "heldout": 0.50, "dev": 0.9, "settings": both},  # two changes
     ]
     text = _table(runs, tmp_path)
     assert (
         "- trec, 256 rows, bitfit (cpu): scales=layernorm against today's defaults, same draws: "
         "set's dev -2.0 (per draw: -2.0); test +2.0 (per draw: +2.0)"
     ) in text
+    # two changes: each is paired with the runs that have only the other
+    assert (
+        "- trec, 256 rows, bitfit (cpu): scales=layernorm against contrastive=8, same draws: "
+        "set's dev -36.0 (per draw: -36.0); test -40.0 (per draw: -40.0)"
+    ) in text
+    assert (
+        "- trec, 256 rows, bitfit (cpu): contrastive=8 against scales=layernorm, same draws: "
+        "set's dev -35.0 (per draw: -35.0); test -43.0 (per draw: -43.0)"
+    ) in text
     assert "contrastive=8, scales=layernorm against" not in text
+    assert _changes("lr_search=[0.001, 0.002], scales=ia3") == ["lr_search=[0.001, 0.002]", "scales=ia3"]
+    assert _changes("today's defaults") == []
     assert "| trec | 256 | bitfit | contrastive=8 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
     assert (
         "- trec, 256 rows, bitfit (cpu): contrastive=8 against today's defaults, same draws: "

@@ -199,7 +199,7 @@ def test_mode_defaults_fill_what_the_config_leaves_open():
 
 def test_report_shows_resolved_settings_head_lr_and_dropout(tmp_path, tiny_encoder):
     train, dev = _data(tmp_path, "classification", 64, 16)
-    config = _config(min_steps=15, epochs=None, lr=None, head_lr=1e-12, dropout=0.0, seed=5)
+    config = _config(min_steps=15, epochs=None, lr=None, head_lr=1e-12, dropout=0.0, seed=5, head_init="random")
     result = train_patch(tiny_encoder, train, dev, config)
     assert result.report["config"]["epochs"] == 10.0 and result.report["lr"] == 3e-3
     assert result.report["head_lr"] == 1e-12
@@ -901,8 +901,30 @@ def test_a_label_name_head_starts_every_run_from_the_names_and_the_patch_serves_
     assert result.patch is not None and result.patch.meta.training["head_init"] == "labels"
     assert not torch.allclose(result.patch.head_weight, names), "the head did not train"
     _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, train.labels)
-    default = train_patch(tiny_encoder, train, dev, _config(min_steps=4))
-    assert default.report["selection"]["head_init"] == "random" and "head_init" not in default.patch.meta.training
+    plain = train_patch(tiny_encoder, train, dev, _config(min_steps=4, head_init="random"))
+    assert plain.report["selection"]["head_init"] == "random" and "head_init" not in plain.patch.meta.training
+    assert plain.report["selection"]["head_init_why"] == "set: head_init=random"
+
+
+def test_label_name_heads_are_automatic_for_a_small_classifier_only(tmp_path, tiny_encoder):
+    config = TrainConfig(task="t")
+    assert config.head_init is None
+    assert config.head_init_for("classification", 999) == "labels"
+    assert config.head_init_for("classification", 1000) == "random"
+    assert config.head_init_for("regression", 10) == config.head_init_for("token-classification", 10) == "random"
+    assert TrainConfig(task="t", full=True).head_init_for("classification", 10) == "random"
+    assert TrainConfig(task="t", head_init="random").head_init_for("classification", 10) == "random"
+    train, dev = _data(tmp_path, "classification", 64, 16)
+    small = train_patch(tiny_encoder, train, dev, _config(min_steps=4))
+    assert small.report["selection"]["head_init"] == "labels" and small.report["config"]["head_init"] == "labels"
+    assert small.report["selection"]["head_init_why"] == (
+        "automatic: a classifier on 64 training rows (under 1000) starts from its label names"
+    )
+    assert small.patch is not None and small.patch.meta.training["head_init"] == "labels"
+    scores, scores_dev = _data(tmp_path, "regression", 32, 8)
+    other = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=4))
+    assert other.report["selection"]["head_init"] == "random"
+    assert other.report["selection"]["head_init_why"].startswith("automatic: a random head")
 
 
 def test_label_names_read_as_lower_case_text_with_underscores_as_spaces(tiny_encoder):
@@ -912,7 +934,6 @@ def test_label_names_read_as_lower_case_text_with_underscores_as_spaces(tiny_enc
 
 
 def test_a_label_name_head_is_refused_where_no_sentence_is_classified(tmp_path, tiny_encoder):
-    assert TrainConfig(task="t").head_init == "random"
     with pytest.raises(JobError, match="head_init 'labels' starts a sentence classifier"):
         TrainConfig(task="t", kind="regression", head_init="labels")
     with pytest.raises(JobError, match="head_init"):

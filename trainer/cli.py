@@ -99,10 +99,10 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--head-init",
         choices=["random", "labels"],
-        default="random",
-        help="where the head starts (classification): 'random', or 'labels': each class's row is the frozen "
-        "encoder's sentence vector of its label's name, so labels that mean something ('positive', 'card_arrival') "
-        "give a zero-shot start (default random; see docs/few-sample.md for what it scored)",
+        help="where the head starts: 'random', or 'labels' (classification): each class's row is the frozen "
+        "encoder's sentence vector of its label's name, a zero-shot start where the names mean something "
+        f"('positive', 'card_arrival') (default: labels for a classifier with fewer than {SMALL_DATA_ROWS} training "
+        "rows, where it scored better on dev, docs/few-sample.md; else random)",
     )
     p.add_argument(
         "--distill",

@@ -854,6 +854,15 @@ class PatchTraining:
             raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
         config.check_distill(kind)
         config.check_head_init(kind)
+        head_init = config.head_init_for(kind, len(train))
+        self.head_init_why = f"set: head_init={head_init}"
+        if config.head_init is None:
+            self.head_init_why = (
+                f"automatic: a classifier on {len(train)} training rows (under {SMALL_DATA_ROWS}) starts from its "
+                "label names"
+                if head_init == "labels"
+                else "automatic: a random head (label names start classifiers on small data only)"
+            )
         self._label_vectors: torch.Tensor | None = None
         rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
@@ -862,7 +871,7 @@ class PatchTraining:
                 f"the contrastive stage trains on the packed model, which is off here ({why}); set contrastive to 0"
             )
         self.config = config = replace(
-            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge
+            config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge, head_init=head_init
         )
         self.checkpoint: str = checkpoint
         assert config.lr is not None
@@ -1018,6 +1027,7 @@ class PatchTraining:
                 "restarts_merge": config.restarts_merge,
                 "contrastive": config.contrastive,
                 "head_init": config.head_init,
+                "head_init_why": self.head_init_why,
                 "checkpoint": self.checkpoint,
                 "checkpoint_why": self.checkpoint_why,
                 "learning_rates": self.lrs,
