@@ -918,13 +918,15 @@ def test_label_name_heads_are_automatic_for_a_small_classifier_only(tmp_path, ti
     small = train_patch(tiny_encoder, train, dev, _config(min_steps=4))
     assert small.report["selection"]["head_init"] == "labels" and small.report["config"]["head_init"] == "labels"
     assert small.report["selection"]["head_init_why"] == (
-        "automatic: a classifier on 64 training rows (under 1000) starts from its label names"
+        "automatic: a classifier on 64 training rows (under 1000) starts from its names"
     )
     assert small.patch is not None and small.patch.meta.training["head_init"] == "labels"
     scores, scores_dev = _data(tmp_path, "regression", 32, 8)
     other = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=4))
     assert other.report["selection"]["head_init"] == "random"
-    assert other.report["selection"]["head_init_why"].startswith("automatic: a random head")
+    assert other.report["selection"]["head_init_why"] == (
+        "automatic: a random head: label names start classifiers, not a regression head"
+    )
 
 
 def test_label_names_read_as_lower_case_text_with_underscores_as_spaces(tiny_encoder):

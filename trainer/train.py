@@ -857,12 +857,15 @@ class PatchTraining:
         head_init = config.head_init_for(kind, len(train))
         self.head_init_why = f"set: head_init={head_init}"
         if config.head_init is None:
-            self.head_init_why = (
-                f"automatic: a classifier on {len(train)} training rows (under {SMALL_DATA_ROWS}) starts from its "
-                "label names"
-                if head_init == "labels"
-                else "automatic: a random head (label names start classifiers on small data only)"
-            )
+            if head_init == "labels":
+                why = f"a classifier on {len(train)} training rows (under {SMALL_DATA_ROWS}) starts from its names"
+            elif config.full:
+                why = "a random head for full fine-tuning"
+            elif kind != "classification":
+                why = f"a random head: label names start classifiers, not a {kind} head"
+            else:
+                why = f"a random head: {len(train)} training rows are not under {SMALL_DATA_ROWS}"
+            self.head_init_why = f"automatic: {why}"
         self._label_vectors: torch.Tensor | None = None
         rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
