@@ -242,12 +242,25 @@ class TrainConfig:
             )
 
     def head_init_for(self, kind: str, train_rows: int) -> Literal["random", "labels"]:
-        """Where the heads of a task of ``kind`` on ``train_rows`` rows start: ``head_init``, or when unset the label
-        names for a patch (not ``full``) of a classification task on small data (SMALL_DATA_ROWS), else random."""
+        """Where the heads of a task of ``kind`` on ``train_rows`` rows start (``head_init_why``)."""
+        return self.head_init_why(kind, train_rows)[0]
+
+    def head_init_why(self, kind: str, train_rows: int) -> tuple[Literal["random", "labels"], str]:
+        """Where the heads of a task of ``kind`` on ``train_rows`` rows start, and why: ``head_init``, or when unset
+        the label names for a patch (not ``full``) of a classification task on small data (SMALL_DATA_ROWS), else a
+        random head."""
         if self.head_init is not None:
-            return self.head_init
-        small = train_rows < SMALL_DATA_ROWS
-        return "labels" if kind == "classification" and small and not self.full else "random"
+            return self.head_init, f"set: head_init={self.head_init}"
+        if self.full:
+            return "random", "automatic: a random head for full fine-tuning"
+        if kind != "classification":
+            return "random", f"automatic: a random head: label names start classifiers, not a {kind} head"
+        if train_rows >= SMALL_DATA_ROWS:
+            return "random", f"automatic: a random head: {train_rows} training rows are not under {SMALL_DATA_ROWS}"
+        return (
+            "labels",
+            f"automatic: a classifier on {train_rows} training rows (under {SMALL_DATA_ROWS}) starts from its names",
+        )
 
     def check_head_init(self, kind: str) -> None:
         """A JobError where ``head_init`` asks for a start the task of ``kind`` cannot take: label-name heads score

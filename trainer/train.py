@@ -854,18 +854,7 @@ class PatchTraining:
             raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
         config.check_distill(kind)
         config.check_head_init(kind)
-        head_init = config.head_init_for(kind, len(train))
-        self.head_init_why = f"set: head_init={head_init}"
-        if config.head_init is None:
-            if head_init == "labels":
-                why = f"a classifier on {len(train)} training rows (under {SMALL_DATA_ROWS}) starts from its names"
-            elif config.full:
-                why = "a random head for full fine-tuning"
-            elif kind != "classification":
-                why = f"a random head: label names start classifiers, not a {kind} head"
-            else:
-                why = f"a random head: {len(train)} training rows are not under {SMALL_DATA_ROWS}"
-            self.head_init_why = f"automatic: {why}"
+        head_init, self.head_init_why = config.head_init_why(kind, len(train))
         self._label_vectors: torch.Tensor | None = None
         rounds = config.contrastive_rounds(kind)
         if rounds and not self.packed:
