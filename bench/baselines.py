@@ -29,9 +29,8 @@ from sklearn.linear_model import LogisticRegression
 from patches.data import Dataset
 from patches.encoder import Encoder
 from patches.format import Label
-from patches.model import mean_pool
 from trainer.metrics import spearman
-from trainer.train import IGNORE, collate, featurize
+from trainer.train import IGNORE, collate, featurize, unit_vectors
 
 # What each baseline is, as the tables show it in place of "settings that differ from today's defaults".
 BASELINES = {
@@ -51,17 +50,9 @@ class BaselineResult:
 
 
 def embed(encoder: Encoder, texts: list[str], device: torch.device, batch_size: int = 64) -> np.ndarray:
-    """The frozen encoder's mean-pooled, L2-normalised vectors of ``texts`` ([N, hidden] float32)."""
-    model = encoder.model.to(device).eval()
-    out = []
-    with torch.inference_mode():
-        for i in range(0, len(texts), batch_size):
-            enc = encoder.tokenizer(
-                texts[i : i + batch_size], padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
-            ).to(device)
-            hidden = model(**enc).last_hidden_state
-            out.append(F.normalize(mean_pool(hidden, enc["attention_mask"]), dim=-1).float().cpu())
-    return torch.cat(out).numpy()
+    """The frozen encoder's mean-pooled, L2-normalised vectors of ``texts`` ([N, hidden] float32), on ``device``."""
+    encoder.model.to(device)
+    return unit_vectors(encoder, texts, "mean", MAX_LENGTH, batch_size).numpy()
 
 
 def _texts(ds: Dataset) -> list[str]:

@@ -169,19 +169,20 @@ def distill_loss(
 
 
 @torch.no_grad()
-def label_vectors(encoder: Encoder, labels: Sequence[Label], pooling: str, max_len: int) -> torch.Tensor:
-    """The frozen encoder's pooled unit vector of each label's name ([C, hidden] float32, on the CPU): the rows of
-    a label-name head (``head_init="labels"``). A name is read as text, lower-cased, underscores as spaces."""
-    names = [str(label).replace("_", " ").lower() for label in labels]
+def unit_vectors(
+    encoder: Encoder, texts: Sequence[str], pooling: str, max_len: int, batch_size: int = 64
+) -> torch.Tensor:
+    """The frozen encoder's pooled, L2-normalised vector of each of ``texts`` ([N, hidden] float32, on the CPU),
+    encoded in eval mode on the device the encoder is on (its mode is restored after)."""
     model = encoder.model
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out = []
     try:
-        for i in range(0, len(names), 64):
+        for i in range(0, len(texts), batch_size):
             enc = encoder.tokenizer(
-                names[i : i + 64], padding=True, truncation=True, max_length=max_len, return_tensors="pt"
+                list(texts[i : i + batch_size]), padding=True, truncation=True, max_length=max_len, return_tensors="pt"
             ).to(device)
             result = model(**enc)
             pooler = getattr(result, "pooler_output", None)
@@ -190,6 +191,12 @@ def label_vectors(encoder: Encoder, labels: Sequence[Label], pooling: str, max_l
     finally:
         model.train(was_training)
     return torch.cat(out)
+
+
+def label_vectors(encoder: Encoder, labels: Sequence[Label], pooling: str, max_len: int) -> torch.Tensor:
+    """The rows of a label-name head (``head_init="labels"``): ``unit_vectors`` of the labels' names, each read as
+    text, lower-cased, underscores as spaces."""
+    return unit_vectors(encoder, [str(label).replace("_", " ").lower() for label in labels], pooling, max_len)
 
 
 @torch.no_grad()
