@@ -58,6 +58,7 @@ from bench.quality import (
     restart_scores,
     run_shape,
     sample,
+    setting_changes,
     settings,
 )
 from patches.data import Dataset, load_dataset, split_dev
@@ -301,7 +302,7 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
         lines += ["", CONTRASTIVE_NOTE]
     if any(r.get("settings", {}).get("scales", "none") != "none" for r in runs):
         lines += ["", SCALES_NOTE]
-    changes = {c.partition("=")[0] for r in runs for c in _changes(differences(r))}
+    changes = {k for r in runs for k in setting_changes(r)}
     if changes & {"lr", "min_steps"}:
         lines += ["", SCHEDULE_NOTE]
     if "head_init" in changes:

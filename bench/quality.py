@@ -183,6 +183,16 @@ def is_current(run: dict) -> bool:
     )
 
 
+def setting_changes(run: dict) -> dict[str, Any]:
+    """The settings of a run that differ from today's defaults for its mode, as they acted on it (``as_trained``);
+    none for a baseline's run or one recorded without settings."""
+    if run["mode"] in BASELINES or "settings" not in run:
+        return {}
+    shape = run_shape(run)
+    today, mine = as_trained(default_settings(run["mode"]), *shape), as_trained(run["settings"], *shape)
+    return {k: v for k, v in mine.items() if today.get(k) != v}
+
+
 def differences(run: dict) -> str:
     """How a run's settings differ from today's defaults for its mode ("lr=0.001, epochs=10"); for a baseline, what
     it is."""
@@ -190,9 +200,7 @@ def differences(run: dict) -> str:
         return BASELINES[run["mode"]]
     if "settings" not in run:
         return "unrecorded"
-    shape = run_shape(run)
-    today, mine = as_trained(default_settings(run["mode"]), *shape), as_trained(run["settings"], *shape)
-    return ", ".join(f"{k}={v}" for k, v in mine.items() if today.get(k) != v) or "today's defaults"
+    return ", ".join(f"{k}={v}" for k, v in setting_changes(run).items()) or "today's defaults"
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
