@@ -129,6 +129,27 @@ def test_training_is_deterministic_per_seed(tmp_path, tiny_encoder):
     assert not torch.equal(a.patch.head_weight, c.patch.head_weight)
 
 
+def test_a_stop_during_evaluation_leaves_the_model_in_training_mode(tmp_path, tiny_encoder):
+    train, dev = _data(tmp_path, "classification", 16, 130)
+    model = TaskModel(
+        copy.deepcopy(tiny_encoder.model), torch.nn.Linear(tiny_encoder.hidden_size, 2), "classification", "mean"
+    )
+    feats = featurize(tiny_encoder.tokenizer, dev, train.labels, 128)
+    asked = []
+
+    def stop_on_second_batch() -> bool:  # the first batch has run (in eval mode) when the stop comes
+        asked.append(model.training)
+        return len(asked) == 2
+
+    model.train()
+    with pytest.raises(TrainingStopped):
+        evaluate(model, feats, 0, train.labels, batch_size=64, should_stop=stop_on_second_batch)
+    assert asked == [False, False] and model.training  # dropout is back on for the training that goes on
+    model.eval()
+    evaluate(model, feats, 0, train.labels)
+    assert not model.training  # and a model that was in eval mode stays there
+
+
 def test_restarts_and_lr_search_keep_the_best_dev_score(tmp_path, tiny_encoder):
     train, dev = _data(tmp_path, "classification", 64, 16)
     result = train_patch(tiny_encoder, train, dev, _config(min_steps=15, lr_search=[1e-4, 3e-3], restarts=2))

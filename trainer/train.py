@@ -20,12 +20,13 @@ the packed model does not cover train padded, one run at a time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -168,6 +169,17 @@ def distill_loss(
     return (1 - weight) * hard + weight * soft
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (dropout off) for the block; its previous mode is restored after, a stop included."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def unit_vectors(
     encoder: Encoder, texts: Sequence[str], pooling: str, max_len: int, batch_size: int = 64
@@ -176,10 +188,8 @@ def unit_vectors(
     encoded in eval mode on the device the encoder is on (its mode is restored after)."""
     model = encoder.model
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     out = []
-    try:
+    with eval_mode(model):
         for i in range(0, len(texts), batch_size):
             enc = encoder.tokenizer(
                 list(texts[i : i + batch_size]), padding=True, truncation=True, max_length=max_len, return_tensors="pt"
@@ -188,8 +198,6 @@ def unit_vectors(
             pooler = getattr(result, "pooler_output", None)
             pooled = pool(pooling, result.last_hidden_state, enc["attention_mask"], pooler)
             out.append(nn.functional.normalize(pooled.float(), dim=-1).cpu())
-    finally:
-        model.train(was_training)
     return torch.cat(out)
 
 
@@ -206,17 +214,13 @@ def predict_logits(
     """The padded model's logits (eval mode) for each of ``feats``, in order, as one float32 tensor on its device;
     raises TrainingStopped(0, 0) when ``should_stop`` says so between batches."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     out = []
-    try:
+    with eval_mode(model):
         for i in range(0, len(feats), batch_size):
             if should_stop():
                 raise TrainingStopped(0, 0)
             b = collate(feats[i : i + batch_size], pad_id, kind, device)
             out.append(model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float())
-    finally:
-        model.train(was_training)
     return torch.cat(out)
 
 
@@ -248,38 +252,36 @@ def evaluate_runs(
 ) -> list[dict[str, float]]:
     """``evaluate`` for several runs of a PackedTaskModel at once (each batch of rows goes in once per run, in one
     forward); ``runs=None`` evaluates a plain model. One metrics dict per run, in order."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     k = 1 if runs is None else len(runs)
     preds: list[list[np.ndarray]] = [[] for _ in range(k)]
     golds: list[list[np.ndarray]] = [[] for _ in range(k)]
-    for i in range(0, len(feats), batch_size):
-        if should_stop():
-            raise TrainingStopped(0, 0)
-        chunk = feats[i : i + batch_size]
-        b = collate(chunk * k, pad_id, model.kind, device)
-        if runs is None:
-            logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
-        else:
-            run = torch.tensor([r for r in runs for _ in chunk], device=device)
-            logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"], run=run)
-        logits, gold_all = logits.float().cpu(), b["labels"].cpu()
-        for j in range(k):
-            rows = slice(j * len(chunk), (j + 1) * len(chunk))
-            out, gold = logits[rows], gold_all[rows].numpy()
-            if model.kind == "regression":
-                preds[j].append(out.squeeze(-1).numpy())
-                golds[j].append(gold)
-            elif model.kind == "token-classification":  # one array per sentence: entities must not span two
-                for row_pred, row_gold in zip(out.argmax(-1).numpy(), gold, strict=True):
-                    keep = row_gold != IGNORE
-                    preds[j].append(row_pred[keep])
-                    golds[j].append(row_gold[keep])
+    with eval_mode(model):
+        for i in range(0, len(feats), batch_size):
+            if should_stop():
+                raise TrainingStopped(0, 0)
+            chunk = feats[i : i + batch_size]
+            b = collate(chunk * k, pad_id, model.kind, device)
+            if runs is None:
+                logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
             else:
-                preds[j].append(out.argmax(-1).numpy())
-                golds[j].append(gold)
-    model.train(was_training)
+                run = torch.tensor([r for r in runs for _ in chunk], device=device)
+                logits = model(b["input_ids"], b["attention_mask"], b["token_type_ids"], run=run)
+            logits, gold_all = logits.float().cpu(), b["labels"].cpu()
+            for j in range(k):
+                rows = slice(j * len(chunk), (j + 1) * len(chunk))
+                out, gold = logits[rows], gold_all[rows].numpy()
+                if model.kind == "regression":
+                    preds[j].append(out.squeeze(-1).numpy())
+                    golds[j].append(gold)
+                elif model.kind == "token-classification":  # one array per sentence: entities must not span two
+                    for row_pred, row_gold in zip(out.argmax(-1).numpy(), gold, strict=True):
+                        keep = row_gold != IGNORE
+                        preds[j].append(row_pred[keep])
+                        golds[j].append(row_gold[keep])
+                else:
+                    preds[j].append(out.argmax(-1).numpy())
+                    golds[j].append(gold)
     results = []
     for p, g in zip(preds, golds, strict=True):
         if model.kind == "token-classification":
