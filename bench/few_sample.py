@@ -169,7 +169,7 @@ def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
 
 
 #: opt-in settings whose runs are compared draw by draw with the runs without them (``_candidate_lines``)
-PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=", "head_init=")
+PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=")
 TODAY = "today's defaults"
 
 
