@@ -30,7 +30,6 @@ if __name__ == "__main__":  # run as a script: the repository on sys.path instea
 import argparse
 import json
 import math
-import re
 import statistics
 import tempfile
 import time
@@ -51,6 +50,7 @@ from bench.quality import (
     is_current,
     load_runs,
     mean_std,
+    paired_lines,
     parse_overrides,
     record_run,
     recorded,
@@ -168,40 +168,11 @@ def _averaging_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
     return ["", *lines] if lines else []
 
 
-#: opt-in settings whose runs are compared draw by draw with the runs without them (``_candidate_lines``)
-PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=")
-TODAY = "today's defaults"
-
-
-def _changes(diff: str) -> list[str]:
-    """The settings a ``differences`` string names, one ``key=value`` each (a value may hold ", ": a list)."""
-    return [] if diff == TODAY else re.split(r", (?=[a-z_]+=)", diff)
-
-
 def _candidate_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -> list[str]:
-    """Where an opt-in candidate (one of PAIRED_CANDIDATES: a contrastive stage, LayerNorm gains, a label-name
-    head...) and the same settings without it (today's defaults, or the defaults with another change) ran on the
-    same draws: the candidate's gain on each draw, paired, so the rows drawn cancel out."""
-    lines = []
-    for (ds, rows, mode, diff, device), grp in sorted(groups.items()):
-        changes = _changes(diff)
-        for candidate in changes:
-            base = ", ".join(c for c in changes if c != candidate) or TODAY
-            without = groups.get((ds, rows, mode, base, device), [])
-            if not candidate.startswith(PAIRED_CANDIDATES) or not without:
-                continue
-            by_seed = {r["seed"]: r for r in without}
-            paired = [(r, by_seed[r["seed"]]) for r in sorted(grp, key=lambda r: r["seed"]) if r["seed"] in by_seed]
-            shown = []
-            for name, key in (("set's dev", "heldout"), ("test", "test")):
-                gains = [100 * (r[key] - base_run[key]) for r, base_run in paired if key in r and key in base_run]
-                if gains:
-                    per_draw = ", ".join(f"{g:+.1f}" for g in gains)
-                    shown.append(f"{name} {statistics.mean(gains):+.1f} (per draw: {per_draw})")
-            if shown:
-                head = f"- {ds}, {rows} rows, {mode} ({device}): {candidate} against {base}, same draws"
-                lines.append(f"{head}: {'; '.join(shown)}")
-    return ["", *lines] if lines else []
+    """``paired_lines`` on the table's groups: each candidate against the same draws without it, scored on the
+    set's own dev split and on test."""
+    scores = (("set's dev", "heldout"), ("test", "test"))
+    return paired_lines(groups, lambda ds, rows, mode: f"{ds}, {rows} rows, {mode}", scores, "draw")
 
 
 GAP_NOTE = (

@@ -28,10 +28,11 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from typing import Any
 
@@ -95,6 +96,10 @@ DISTILL_NOTE = (
 )
 
 
+PAIRED_NOTE = (
+    "Candidates paired with the runs without them (today's defaults, or the same other changes), seed by seed on "
+    "the same machine, so what a seed decides (the head's start, the rows' order, dropout) cancels out:"
+)
 AVERAGED_NOTE = (
     "Averaged restarts (`--set restarts=N --set restarts_merge=average`, `patchserve train --restarts N "
     "--restarts-merge average`): one job trains N runs from the same head initialisation (seeds differing in row "
@@ -193,6 +198,50 @@ def setting_changes(run: dict) -> dict[str, Any]:
     return {k: v for k, v in mine.items() if today.get(k) != v}
 
 
+#: opt-in settings whose runs are compared seed by seed (draw by draw) with the runs without them (``paired_lines``)
+PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=")
+TODAY = "today's defaults"
+
+
+def changes(diff: str) -> list[str]:
+    """The settings a ``differences`` string names, one ``key=value`` each (a value may hold ", ": a list)."""
+    return [] if diff == TODAY else re.split(r", (?=[a-z_]+=)", diff)
+
+
+def paired_lines(
+    groups: Mapping[tuple[Any, ...], list[dict]],
+    name: Callable[..., str],
+    scores: Sequence[tuple[str, str]],
+    unit: str,
+) -> list[str]:
+    """Where an opt-in candidate (one of PAIRED_CANDIDATES: a contrastive stage, scales, a label-name head...) and
+    the same settings without it (today's defaults, or the defaults with another change) ran with the same seeds
+    (the same draws, on small data) on the same machine: the candidate's gain on each, paired, so what the seed
+    decides cancels out. ``groups`` are keyed ``(*cell, differences, machine)``; ``name(*cell)`` names the cell;
+    ``scores`` are (shown name, run field) pairs; ``unit`` is what a seed is ("seed", "draw")."""
+    lines = []
+    for key, grp in sorted(groups.items()):
+        *cell, diff, device = key
+        named = changes(diff)
+        for candidate in named:
+            base = ", ".join(c for c in named if c != candidate) or TODAY
+            without = groups.get((*cell, base, device), [])
+            if not candidate.startswith(PAIRED_CANDIDATES) or not without:
+                continue
+            by_seed = {r["seed"]: r for r in without}
+            paired = [(r, by_seed[r["seed"]]) for r in sorted(grp, key=lambda r: r["seed"]) if r["seed"] in by_seed]
+            shown = []
+            for shown_name, field in scores:
+                gains = [100 * (r[field] - b[field]) for r, b in paired if field in r and field in b]
+                if gains:
+                    each = ", ".join(f"{g:+.1f}" for g in gains)
+                    shown.append(f"{shown_name} {statistics.mean(gains):+.1f} (per {unit}: {each})")
+            if shown:
+                head = f"- {name(*cell)} ({device}): {candidate} against {base}, same {unit}s"
+                lines.append(f"{head}: {'; '.join(shown)}")
+    return ["", *lines] if lines else []
+
+
 def differences(run: dict) -> str:
     """How a run's settings differ from today's defaults for its mode ("lr=0.001, epochs=10"); for a baseline, what
     it is."""
@@ -200,7 +249,7 @@ def differences(run: dict) -> str:
         return BASELINES[run["mode"]]
     if "settings" not in run:
         return "unrecorded"
-    return ", ".join(f"{k}={v}" for k, v in setting_changes(run).items()) or "today's defaults"
+    return ", ".join(f"{k}={v}" for k, v in setting_changes(run).items()) or TODAY
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -413,7 +462,7 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
                 f"| {key[0]} | {key[1]} | {key[2]} | {mean_std(test)} | "
                 f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
-        lines += [*_averaged_lines(groups), ""]
+        lines += [*_averaged_lines(groups), *_candidate_lines(all_runs), ""]
     distilled = [r for r in all_runs if "teacher" in r]
     if distilled:
         lines += [
@@ -550,6 +599,18 @@ def _averaged_lines(groups: dict[tuple[str, str, str, str], list[dict]]) -> list
             shown.append(f"against {name}: {'; '.join(cells)}")
         lines.append(f"- {ds}, {mode} ({diff}, {device}): the restarts' average, same jobs, {'; '.join(shown)}")
     return ["", AVERAGED_NOTE, "", *lines] if lines else []
+
+
+def _candidate_lines(all_runs: list[dict]) -> list[str]:
+    """``paired_lines`` over every trainer run, today's defaults included: each candidate against the same seeds
+    without it on the same machine, on dev and test, under a note saying what the lines are."""
+    groups: dict[tuple[str, str, str, str], list[dict]] = {}
+    for r in all_runs:
+        if r["mode"] in MODES and "settings" in r:
+            groups.setdefault((r["set"], r["mode"], differences(r), device_of(r)), []).append(r)
+    scores = (("dev", "dev"), ("test", "test"))
+    lines = paired_lines(groups, lambda ds, mode: f"{ds}, {mode}", scores, "seed")
+    return ["", PAIRED_NOTE, *lines] if lines else []
 
 
 def mean_std(values: list[float]) -> str:

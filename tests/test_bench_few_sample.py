@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bench.baselines import BASELINES
-from bench.few_sample import QUICK_MIN_STEPS, _changes, quick_figures, render, sample, write_plot, write_table
-from bench.quality import already_run, default_settings, differences, is_current, record_run
+from bench.few_sample import QUICK_MIN_STEPS, quick_figures, render, sample, write_plot, write_table
+from bench.quality import already_run, changes, default_settings, differences, is_current, record_run
 from patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
 
@@ -154,8 +154,8 @@ def test_opt_in_candidates_are_compared_with_todays_defaults_on_the_same_draws(t
         "set's dev -35.0 (per draw: -35.0); test -43.0 (per draw: -43.0)"
     ) in text
     assert "contrastive=8, scales=layernorm against" not in text
-    assert _changes("lr_search=[0.001, 0.002], scales=ia3") == ["lr_search=[0.001, 0.002]", "scales=ia3"]
-    assert _changes("today's defaults") == []
+    assert changes("lr_search=[0.001, 0.002], scales=ia3") == ["lr_search=[0.001, 0.002]", "scales=ia3"]
+    assert changes("today's defaults") == []
     assert "| trec | 256 | bitfit | contrastive=8 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
     assert (
         "- trec, 256 rows, bitfit (cpu): contrastive=8 against today's defaults, same draws: "

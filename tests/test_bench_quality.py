@@ -93,6 +93,31 @@ def test_the_table_shows_each_distilled_patch_beside_its_teacher(tmp_path):
     assert row in path.read_text().splitlines()
 
 
+def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_it(tmp_path):
+    today = settings(TrainConfig(task="quality"))
+    base = {"set": "trec", "mode": "bitfit", "metric": "accuracy", "train_rows": 4952, "dev_rows": 500}
+    base |= {"seconds": 600.0, "device": "cpu"}
+    runs = [
+        *(base | {"seed": s, "test": t, "dev": d, "settings": today} for s, t, d in ((0, 0.96, 0.94), (1, 0.95, 0.95))),
+        # seed 2 has no run without the candidate: it is left out of the pairs
+        *(
+            base | {"seed": s, "test": t, "dev": d, "settings": today | {"head_init": "labels"}}
+            for s, t, d in ((0, 0.97, 0.95), (1, 0.94, 0.95), (2, 0.99, 0.99))
+        ),
+        # another machine's runs of the same candidate pair with that machine's alone (here: none)
+        base | {"seed": 0, "test": 0.5, "dev": 0.5, "device": "cuda", "settings": today | {"head_init": "labels"}},
+        # not a paired candidate: shown in the table, never paired
+        base | {"seed": 0, "test": 0.9, "dev": 0.9, "settings": today | {"batch_size": 32}},
+    ]
+    path = tmp_path / "quality.md"
+    write_table(runs, path, "python bench/quality.py --set head_init=labels")
+    lines = [line for line in path.read_text().splitlines() if line.startswith("- trec")]
+    assert lines == [
+        "- trec, bitfit (cpu): head_init=labels against today's defaults, same seeds: "
+        "dev +0.5 (per seed: +1.0, +0.0); test +0.0 (per seed: +1.0, -1.0)"
+    ]
+
+
 def test_a_job_that_averages_its_restarts_is_recorded_and_shown_against_its_own_restarts(tiny_encoder, tmp_path):
     files = {
         split: DataFile.read(write_jsonl(tmp_path / f"{split}.jsonl", synthetic_rows("classification", n, seed=i)))
