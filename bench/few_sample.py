@@ -64,7 +64,7 @@ from bench.quality import (
 from patches.data import Dataset, load_dataset, split_dev
 from patches.encoder import Encoder, default_encoder_path, load_encoder, resolve_device
 from patches.jobs import SELECTION_METRICS, TrainConfig
-from trainer.train import train_patch
+from trainer.train import progress_logger, train_patch
 
 RESTART_NOTE = (
     "Runs with restarts=1 were recorded before 2026-11-23: one seed, the best dev checkpoint, and a dev tie kept the "
@@ -411,7 +411,10 @@ def main() -> None:
                         continue
                     train, dev = split_dev(sample(full, size, seed), seed=seed)
                     t0 = time.perf_counter()
-                    report = train_patch(encoder, train, dev, config, test=test, heldout=set_dev).report
+                    progress = progress_logger(prefix=f"{ds} {size} rows {mode} draw={seed}: ")  # None on a tty
+                    report = train_patch(
+                        encoder, train, dev, config, test=test, heldout=set_dev, on_progress=progress
+                    ).report
                     metric = report["metric"]
                     rec = {
                         "set": ds,

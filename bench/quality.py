@@ -45,7 +45,7 @@ from patches.encoder import Encoder, load_encoder, resolve_device
 from patches.jobs import SELECTION_METRICS, TrainConfig
 from patches.packed import packed_unsupported
 from patches.packed_model import training_bert
-from trainer.train import JointTrainer, PatchTraining, TrainResult, train_patch
+from trainer.train import JointTrainer, PatchTraining, TrainResult, progress_logger, train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -692,7 +692,8 @@ def main() -> None:
                     together.append((mode, seed, config))  # trained below, in one batch with the set's other runs
                     continue
                 t0 = time.perf_counter()
-                result = train_patch(encoder, splits.train, splits.dev, config, test=splits.test)
+                progress = progress_logger(prefix=f"{ds} {mode} seed={seed}: ")  # None on a terminal (a bar)
+                result = train_patch(encoder, splits.train, splits.dev, config, test=splits.test, on_progress=progress)
                 record(run_record(ds, mode, seed, config, result, splits, time.perf_counter() - t0))
         for mode, seed, config, result, seconds in train_jointly(encoder, splits, device, together):
             record(run_record(ds, mode, seed, config, result, splits, seconds) | {"joint": len(together)})
@@ -765,7 +766,16 @@ def train_jointly(
         return
     shared = training_bert(encoder.model.to(device))
     trainings = [
-        PatchTraining(encoder, splits.train, splits.dev, c, test=splits.test, packed_bert=shared) for *_, c in runs
+        PatchTraining(
+            encoder,
+            splits.train,
+            splits.dev,
+            c,
+            test=splits.test,
+            packed_bert=shared,
+            on_progress=progress_logger(prefix=f"{c.task} {mode} seed={seed}: "),
+        )
+        for mode, seed, c in runs
     ]
     by_training = {id(t): run for t, run in zip(trainings, runs, strict=True)}
     trainer = JointTrainer(trainings)

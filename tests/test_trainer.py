@@ -31,6 +31,7 @@ from trainer.train import (
     featurize,
     label_vectors,
     progress_line,
+    progress_logger,
     train_patch,
 )
 
@@ -377,6 +378,27 @@ def test_progress_is_reported_between_evaluations(tmp_path, tiny_encoder):
     )
     assert [c["step"] for c in calls] == list(range(1, 31))
     assert calls[0]["dev"] is None and calls[-1]["dev"] is not None  # the only evaluation is at the last step
+
+
+def test_progress_logger_prints_prefixed_lines_off_a_terminal_and_nothing_on_one(capsys, monkeypatch):
+    """Off a terminal (nohup, logs) a long run prints a plain line now and then, naming the run it belongs to where
+    several runs share one log (the benchmarks); on a terminal there is the progress bar and no logger."""
+    log = progress_logger(every_s=3600, prefix="trec bitfit seed=1: ")
+    assert log is not None  # pytest's captured stderr is not a terminal
+    report = {"step": 1, "total_steps": 3, "loss": 0.5, "dev": {"accuracy": 0.75}, "seed": 1, "lr": 0.003}
+    for step in (1, 2, 3):  # the second comes within every_s of the first; the last update is always shown
+        log(report | {"step": step})
+    assert capsys.readouterr().err.splitlines() == [
+        "trec bitfit seed=1: step 1/3 loss 0.5000 dev accuracy 0.7500 (seed=1 lr=0.003)",
+        "trec bitfit seed=1: step 3/3 loss 0.5000 dev accuracy 0.7500 (seed=1 lr=0.003)",
+    ]
+
+    class Terminal:
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert progress_logger() is None
 
 
 def test_cli_train_checks_where_the_patch_goes_first_and_never_loses_a_trained_patch(

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -201,28 +199,12 @@ def _write_patch(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def progress_logger(every_s: float = 30.0) -> Any:
-    """Plain progress lines for when stderr is not a terminal (logs, CI, nohup): there is no bar there."""
-    from trainer.train import progress_line
-
-    last = [-math.inf]
-
-    def log(p: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if now - last[0] < every_s and p["step"] != p["total_steps"]:
-            return
-        last[0] = now
-        print(progress_line(p), file=sys.stderr, flush=True)
-
-    return log
-
-
 def _train(args: argparse.Namespace) -> int:
     from patches.data import DataFile, load_splits
     from patches.encoder import load_encoder
     from patches.jobs import TrainConfig
     from trainer.report import write_json, write_png
-    from trainer.train import train_patch
+    from trainer.train import progress_logger, train_patch
 
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
@@ -249,7 +231,7 @@ def _train(args: argparse.Namespace) -> int:
         registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
         registry.ping()
     encoder = load_encoder(args.model)
-    progress = None if sys.stderr.isatty() else progress_logger()
+    progress = progress_logger()  # None on a terminal: the progress bar shows there
     result = train_patch(encoder, train, dev, config, test=test, on_progress=progress)
     report = result.report
     summary = {k: report[k] for k in SUMMARY_KEYS} | {

@@ -96,6 +96,25 @@ def progress_line(p: dict[str, Any]) -> str:
     return f"{stage}step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
 
 
+def progress_logger(every_s: float = 30.0, prefix: str = "") -> ProgressFn | None:
+    """An ``on_progress`` that prints a plain ``progress_line`` on stderr at most every ``every_s`` seconds (and at a
+    stage's last update), each after ``prefix`` (which run it is, where several share a log) -- or None when stderr
+    is a terminal, where the trainer's progress bar shows instead. For logs, CI and ``nohup``, where there is no
+    bar and an hour-long run would otherwise print nothing until it ends."""
+    if sys.stderr.isatty():
+        return None
+    last = [-math.inf]
+
+    def log(p: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - last[0] < every_s and p["step"] != p["total_steps"]:
+            return
+        last[0] = now
+        print(prefix + progress_line(p), file=sys.stderr, flush=True)
+
+    return log
+
+
 def featurize(tokenizer: Any, ds: Dataset, labels: Sequence[Label], max_len: int) -> list[Features]:
     """Tokenise a data set once. Tagging: the first sub-word of each word carries its tag, the rest are ignored.
     Labels are matched by their text, so a patch's "1" (as older patches stored every label) takes a file's 1."""
