@@ -13,11 +13,9 @@ every iteration so drift hits all alike:
   single-task server does, the baseline;
 * naive: copy one task's biases into that model and run that task's rows, task after task;
 * engine: the runner, every row with its own task's biases and head in one forward;
-* engine_ln: a second runner whose tasks are ``bitfit-ln`` patches (the same biases and heads, plus every
-  LayerNorm's gain), so every row also multiplies in its own gains: what the opt-in patch kind costs to serve
-  (``ratio_ln_vs_engine``, its time over the engine's);
-* engine_ia3: likewise with ``bitfit-ia3`` patches (the same biases and heads, plus (IA)^3 scales on every layer's
-  keys, values and intermediate): ``ratio_ia3_vs_engine``.
+* engine_ia3: a second runner whose tasks are ``bitfit-ia3`` patches (the same biases and heads, plus (IA)^3 scales
+  on every layer's keys, values and intermediate), so every row also multiplies in its own scales: what the opt-in
+  patch kind costs to serve (``ratio_ia3_vs_engine``, its time over the engine's).
 
 Times are medians over the iterations (host tensors in, host logits out, device synchronised); the engine is also
 timed pipelined, as the server's batcher runs it (the next batch launched before the previous one is finished).
@@ -54,8 +52,8 @@ from patches.synthetic import random_patch
 from server.engine.runner import Row, Runner
 
 OUT = ROOT / "docs" / "benchmarks"
-PATHS = ("plain", "naive", "engine", "engine_ln", "engine_ia3")
-TWINS = {"engine_ln": {"gain_scale": 0.05}, "engine_ia3": {"ia3_scale": 0.05}}  # a scaled path: its patches' noise
+PATHS = ("plain", "naive", "engine", "engine_ia3")
+TWINS = {"engine_ia3": {"ia3_scale": 0.05}}  # a scaled path: its patches' noise
 
 
 class Paths:
@@ -85,7 +83,7 @@ class Paths:
             for p in self.patches
         }
         # each scaled path's runner, and each task's twin there: the same seed, so the same biases and head, plus
-        # gains (bitfit-ln) or (IA)^3 scales (bitfit-ia3)
+        # (IA)^3 scales (bitfit-ia3)
         self.twin_runners = {
             path: Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
             for path in TWINS
@@ -161,9 +159,6 @@ class Paths:
             cached = self._twin_rows[(path, id(rows))] = (rows, twins)
         self.twin_runners[path].run(cached[1])
 
-    def run_engine_ln(self, rows: list[Row]) -> None:
-        self.run_twins("engine_ln", rows)
-
     def run_engine_ia3(self, rows: list[Row]) -> None:
         self.run_twins("engine_ia3", rows)
 
@@ -172,7 +167,6 @@ class Paths:
             "plain": self.run_plain,
             "naive": self.run_naive,
             "engine": self.run_engine,
-            "engine_ln": self.run_engine_ln,
             "engine_ia3": self.run_engine_ia3,
         }
 
@@ -249,12 +243,10 @@ def measure(
         "rows_per_s_engine_pipelined": round(batch / pipelined, 1),
         "ratio_vs_plain": round(med["plain"] / med["engine"], 3),
         "ratio_vs_naive": round(med["naive"] / med["engine"], 3),
-        "ratio_ln_vs_engine": round(med["engine_ln"] / med["engine"], 3),
         "ratio_ia3_vs_engine": round(med["engine_ia3"] / med["engine"], 3),
         "ops_engine": paths.count_ops(paths.run_engine, rows),
         "ops_plain": paths.count_ops(paths.run_plain, rows),
         "ops_naive": paths.count_ops(paths.run_naive, rows),
-        "ops_engine_ln": paths.count_ops(paths.run_engine_ln, rows),
         "ops_engine_ia3": paths.count_ops(paths.run_engine_ia3, rows),
     }
 
@@ -296,9 +288,8 @@ def render(jsonl: Path) -> None:
         "",
         "Written by `python bench/engine.py` from `engine.jsonl` (one line per run of a configuration; the tables",
         "show the latest of each). rows/s: median over the iterations; `vs plain` / `vs naive`: the engine's",
-        "throughput over that path's on the same rows; `bitfit-ln time / engine`: the engine's time on the same",
-        "rows when every task is a bitfit-ln patch (biases plus LayerNorm gains), over its time with BitFit patches;",
-        "`bitfit-ia3 time / engine` likewise with bitfit-ia3 patches (biases plus (IA)^3 scales);",
+        "throughput over that path's on the same rows; `bitfit-ia3 time / engine`: the engine's time on the same",
+        "rows when every task is a bitfit-ia3 patch (biases plus (IA)^3 scales), over its time with BitFit patches;",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -308,16 +299,15 @@ def render(jsonl: Path) -> None:
             f"## {dev} ({mine[0]['dtype']}, torch {mine[0]['torch']})",
             "",
             "| tasks | dist | batch | plain rows/s | naive rows/s | engine rows/s | vs plain | vs naive "
-            "| ops plain | ops naive | ops engine | bitfit-ln time / engine | bitfit-ia3 time / engine |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| ops plain | ops naive | ops engine | bitfit-ia3 time / engine |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(mine, key=lambda r: (r["tasks"], r["dist"], r["batch"])):
-            ln = f"{r['ratio_ln_vs_engine']:.3f}" if "ratio_ln_vs_engine" in r else "-"  # lines from before engine_ln
             ia3 = f"{r['ratio_ia3_vs_engine']:.3f}" if "ratio_ia3_vs_engine" in r else "-"
             lines.append(
                 f"| {r['tasks']} | {r['dist']} | {r['batch']} | {r['rows_per_s_plain']:.0f} | "
                 f"{r['rows_per_s_naive']:.0f} | {r['rows_per_s_engine']:.0f} | {r['ratio_vs_plain']:.2f}x | "
-                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ln} | {ia3} |"
+                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ia3} |"
             )
         lines.append("")
     lines += goals(rows)

@@ -78,27 +78,9 @@ RESTART_NOTE = (
 )
 
 
-CONTRASTIVE_NOTE = (
-    "`contrastive=8` (2026-11-25): a contrastive stage before the runs, SetFit's pair objective on the biases alone "
-    "(8 rounds: each training row paired with a row of its label and a row of another, 3,680 pairs at 256 rows, "
-    "230 updates of 32 rows, 1.2 minutes on TREC and 2.4-2.6 on Rotten Tomatoes of each run's time here), every seed "
-    "then starting from its biases. On the same draws it scored level with none on the sets' own dev splits (the "
-    "paired lines above), so it is not a default: `--contrastive 8` asks for it. Two variants were tried as "
-    "throwaway prototypes (2026-11-25, not recorded here): more rounds do not group the labels better (the frozen "
-    "tuned vectors' logistic-regression floor on TREC draw 0: 90.6 after 8 rounds, 90.4 after 16, 90.0 after 48; "
-    "Rotten Tomatoes draw 0: 74.9 after 16, 74.4 after 48, the pairs' loss falling 0.07 to 0.003), and SetFit's "
-    "second step in place of the runs (a logistic-regression head, C = 1 as SetFit's default, on the tuned vectors) "
-    "scored below today's defaults: TREC 89.2 test and 85.6 set's dev over the 5 draws (16 rounds; defaults 91.6 "
-    "and 87.5), Rotten Tomatoes 72.5 and 74.0 test, 73.6 and 71.7 set's dev on draws 0 and 1 (8 rounds; defaults "
-    "73.5 and 76.9, 74.4 and 77.1)."
-)
-
 SCALES_NOTE = (
-    "`scales=layernorm` (2026-11-26): every LayerNorm's gain trained with the biases (a `bitfit-ln` patch, 4,992 "
-    "more values on MiniLM, served at a bias's cost). On the same 5 draws it scored level with today's defaults on "
-    "the sets' own dev splits (Rotten Tomatoes -0.3, TREC -0.2; the paired lines above) and +0.2 / +0.4 on test, so "
-    "it is not a default: `--scales layernorm` asks for it. On the full Rotten Tomatoes set it did not pay on dev "
-    "either (docs/quality.md). `scales=ia3` (2026-11-26): (IA)^3 scales on every layer's keys, values and "
+    "`scales=layernorm` (a `bitfit-ln` patch, since removed) and the contrastive stage (`contrastive=8`, since "
+    "removed): docs/experiments.md. `scales=ia3` (2026-11-26): (IA)^3 scales on every layer's keys, values and "
     "feed-forward intermediate trained with the biases (a `bitfit-ia3` patch, 13,824 more values on MiniLM, served "
     "in the same mixed batches). On the same 5 draws it scored +0.6 on test on both sets but not on the sets' own dev "
     "splits (Rotten Tomatoes -0.6, TREC +0.1; the paired lines above), so at 256 rows it is not chosen either; on the "
@@ -181,10 +163,10 @@ GAP_NOTE = (
     "scored Rotten Tomatoes 73.0 ± 1.5 on test and 74.4 on the set's own dev, TREC 92.5 and 87.4: level with "
     "BitFit's defaults (73.4-73.7 and 74.8-74.9; 91.2-91.6 and 87.5-87.8). So on 256 rows tuning every weight gains "
     "nothing over the biases alone with this objective: SetFit's lead (Rotten Tomatoes 75.7, TREC 93.0) comes from "
-    "its recipe, contrastive pairs over the whole body, and the same pairs on the biases alone (`contrastive=8` "
-    "above) did not carry it over. More seeds did not pay either: 6 seeds with the best kept by the carved dev "
-    "(the `restarts=6, restarts_merge=best` row, same H100; an explicit restart count keeps the best) scored 73.8 "
-    "test and 74.8 set's dev, and 6 seeds averaged (`--set restarts=6 --set restarts_merge=average`, the "
+    "its recipe, contrastive pairs over the whole body, and the same pairs on the biases alone (`contrastive=8`, "
+    "docs/experiments.md) did not carry it over. More seeds did not pay either: 6 seeds with the best kept by the "
+    "carved dev (the `restarts=6, restarts_merge=best` row, same H100; an explicit restart count keeps the best) "
+    "scored 73.8 test and 74.8 set's dev, and 6 seeds averaged (`--set restarts=6 --set restarts_merge=average`, the "
     "`restarts=6` row: 2 CPU cores, 2 at a time, 21-23 minutes a draw against 11.5 for 3) 73.6 ± 2.0 test and "
     "set's dev +0.1 against the defaults on the same draws (the paired line above): twice the time for nothing "
     "measurable. A learned attention pooling was tried as a prototype (not recorded here, its code not kept): a "
@@ -275,8 +257,6 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
     lines += _averaging_lines(groups)
     lines += _candidate_lines(groups)
     lines += ["", RESTART_NOTE, "", CARVED_DEV_NOTE]
-    if any(r.get("settings", {}).get("contrastive") for r in runs):
-        lines += ["", CONTRASTIVE_NOTE]
     if any(r.get("settings", {}).get("scales", "none") != "none" for r in runs):
         lines += ["", SCALES_NOTE]
     changes = {k for r in runs for k in setting_changes(r)}
@@ -432,8 +412,6 @@ def main() -> None:
                         "seconds": time.perf_counter() - t0,
                     }
                     rec |= restart_scores(report, metric)  # each restart's scores, and their average's
-                    if "contrastive" in report:  # the contrastive stage: its rounds, pairs, updates and time
-                        rec["contrastive"] = report["contrastive"]
                     record_run(rec, device, args.note, runs_file, lambda runs: render(out, command, runs))
     if args.quick:
         print(json.dumps(quick_figures(load_runs(runs_file)) | {"records": str(out)}))

@@ -42,7 +42,7 @@ from bench.baselines import BASELINES, logreg
 from bench.common import pyplot
 from patches.data import DataFile, Dataset, Splits, load_splits
 from patches.encoder import Encoder, load_encoder, resolve_device
-from patches.jobs import SELECTION_METRICS, TrainConfig
+from patches.jobs import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
 from patches.packed import packed_unsupported
 from patches.packed_model import training_bert
 from trainer.train import JointTrainer, PatchTraining, TrainResult, progress_logger, train_patch
@@ -88,14 +88,6 @@ POOLING_NOTE = (
 )
 
 
-DISTILL_NOTE = (
-    "Distilled runs (`--set distill=W`, `patchserve train --distill W`): each trains a teacher first, the encoder "
-    "fully fine-tuned on the same rows at full fine-tuning's defaults and the run's seed, and the patch then learns "
-    "from a mix of the gold labels and the teacher's outputs (min/run above includes the teacher). Each patch beside "
-    "its own teacher:"
-)
-
-
 PAIRED_NOTE = (
     "Candidates paired with the runs without them (today's defaults, or the same other changes), seed by seed on "
     "the same machine, so what a seed decides (the head's start, the rows' order, dropout) cancels out:"
@@ -130,20 +122,16 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     set), an unset ``head_init`` likewise (label names for a classifier on small data), and an unset ``metric`` is
     the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
-    restart, no ``contrastive`` had no contrastive stage, no ``scales`` trained biases only, no ``distill`` had no
-    teacher, no ``head_init`` started a random head. Where one run trained, ``restarts_merge`` did nothing and is
-    left out; without a teacher, ``distill_temperature`` did nothing and reads as its default."""
-    default_temperature = RESOLVER.distill_temperature
-    out = {
-        "contrastive": 0,
-        "scales": "none",
-        "distill": 0.0,
-        "distill_temperature": default_temperature,
-        "head_init": "random",
-    }
-    out |= run_settings
-    if not out["distill"]:
-        out["distill_temperature"] = default_temperature
+    restart, no ``scales`` trained biases only, no ``head_init`` started a random head. Where one run trained,
+    ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``: the contrastive
+    stage, distillation) at its "off" value changed nothing and is left out too, as is the distillation's
+    temperature without a teacher."""
+    out = {"scales": "none", "head_init": "random"} | run_settings
+    if not out.get("distill"):
+        out.pop("distill_temperature", None)
+    for name, off in RETIRED_OPTIONS.items():
+        if name in out and out[name] == off:
+            del out[name]
     if "restarts_merge" not in out:
         out["restarts_merge"] = "best"
     elif out["restarts_merge"] is None:
@@ -199,7 +187,7 @@ def setting_changes(run: dict) -> dict[str, Any]:
 
 
 #: opt-in settings whose runs are compared seed by seed (draw by draw) with the runs without them (``paired_lines``)
-PAIRED_CANDIDATES = ("contrastive=", "scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=")
+PAIRED_CANDIDATES = ("scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=")
 TODAY = "today's defaults"
 
 
@@ -214,7 +202,7 @@ def paired_lines(
     scores: Sequence[tuple[str, str]],
     unit: str,
 ) -> list[str]:
-    """Where an opt-in candidate (one of PAIRED_CANDIDATES: a contrastive stage, scales, a label-name head...) and
+    """Where an opt-in candidate (one of PAIRED_CANDIDATES: scales, a label-name head...) and
     the same settings without it (today's defaults, or the defaults with another change) ran with the same seeds
     (the same draws, on small data) on the same machine: the candidate's gain on each, paired, so what the seed
     decides cancels out. ``groups`` are keyed ``(*cell, differences, machine)``; ``name(*cell)`` names the cell;
@@ -463,30 +451,6 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
                 f"{statistics.mean(dev):.1f} | {len(grp)} | {_minutes(grp)} | {key[3]} |"
             )
         lines += [*_averaged_lines(groups), *_candidate_lines(all_runs), ""]
-    distilled = [r for r in all_runs if "teacher" in r]
-    if distilled:
-        lines += [
-            DISTILL_NOTE,
-            "",
-            "| data set | mode | settings that differ | patch test | teacher test | patch dev | teacher dev | runs | "
-            "teacher min/run | device |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        taught: dict[tuple[str, str, str, str], list[dict]] = {}
-        for r in distilled:
-            taught.setdefault((r["set"], r["mode"], differences(r), device_of(r)), []).append(r)
-        for (ds, mode, diff, device), grp in sorted(taught.items()):
-            cells = [
-                mean_std([100 * r["test"] for r in grp]),
-                mean_std([100 * r["teacher"]["test"] for r in grp if "test" in r["teacher"]]),
-                mean_std([100 * r["dev"] for r in grp]),
-                mean_std([100 * r["teacher"]["dev"] for r in grp]),
-            ]
-            teacher_min = statistics.mean(r["teacher"]["seconds"] / 60 for r in grp)
-            lines.append(
-                f"| {ds} | {mode} | {diff} | {' | '.join(cells)} | {len(grp)} | {teacher_min:.1f} | {device} |"
-            )
-        lines.append("")
     path.write_text("\n".join(lines))
 
 
@@ -706,27 +670,23 @@ def run_record(
 ) -> dict[str, Any]:
     """What the runs file keeps of a trained run."""
     metric = result.report["metric"]
-    return (
-        {
-            "set": ds,
-            "mode": mode,
-            "seed": seed,
-            "metric": metric,
-            "test": result.report["test"][metric],
-            "dev": result.report["dev"][metric],
-            "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
-            "train_rows": len(splits.train),
-            "dev_rows": len(splits.dev),
-            "steps": result.report["steps"],
-            "best_step": result.report["best_step"],
-            "lr": result.report["lr"],
-            "settings": settings(config),
-            "seconds": seconds,
-            "trainable_params": result.report["trainable_params"],
-        }
-        | _teacher(result.report, metric)
-        | restart_scores(result.report, metric)
-    )
+    return {
+        "set": ds,
+        "mode": mode,
+        "seed": seed,
+        "metric": metric,
+        "test": result.report["test"][metric],
+        "dev": result.report["dev"][metric],
+        "test_metrics": result.report["test"],  # every metric of the kind (macro-F1, entity F1...)
+        "train_rows": len(splits.train),
+        "dev_rows": len(splits.dev),
+        "steps": result.report["steps"],
+        "best_step": result.report["best_step"],
+        "lr": result.report["lr"],
+        "settings": settings(config),
+        "seconds": seconds,
+        "trainable_params": result.report["trainable_params"],
+    } | restart_scores(result.report, metric)
 
 
 def restart_scores(report: dict[str, Any], metric: str) -> dict[str, Any]:
@@ -745,15 +705,6 @@ def restart_scores(report: dict[str, Any], metric: str) -> dict[str, Any]:
     if "merged" in report:
         out["merged"] = [{"seeds": m["seeds"]} | {k: m[k][metric] for k in ("dev", *splits)} for m in report["merged"]]
     return out
-
-
-def _teacher(report: dict[str, Any], metric: str) -> dict[str, Any]:
-    """A distilled run's teacher (the encoder fully fine-tuned first): its test and dev scores and seconds."""
-    if "distill" not in report:
-        return {}
-    teacher = report["distill"]["teacher"]
-    shown = {"dev": teacher["dev"][metric], "seconds": teacher["seconds"], "best_step": teacher["best_step"]}
-    return {"teacher": shown | ({"test": teacher["test"][metric]} if "test" in teacher else {})}
 
 
 def train_jointly(

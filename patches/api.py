@@ -124,8 +124,7 @@ class TaskRegistered(BaseModel):
     n_params: int
     patch_type: str = Field(
         "bitfit",
-        description="`bitfit` (biases + head), `bitfit-ln` (biases, LayerNorm gains + head) or "
-        "`bitfit-ia3` (biases, (IA)^3 scales + head)",
+        description="`bitfit` (biases + head) or `bitfit-ia3` (biases, (IA)^3 scales + head)",
     )
     base: BaseInfo
 
@@ -193,9 +192,7 @@ class JobPublic(BaseModel):
     attempts: int = 0
     progress: dict[str, Any] = Field(
         default_factory=dict,
-        description="While training: step, total_steps, loss, dev metrics, seed, lr; stage: 'teacher' while a "
-        "distillation's teacher trains, 'contrastive' while the contrastive stage trains (each stage's steps are its "
-        "own).",
+        description="While training: step, total_steps, loss, dev metrics, seed, lr, runs, active_runs.",
     )
     result: dict[str, Any] = Field(
         default_factory=dict, description="When done: dev/test metrics, steps, seconds; version and patch_id."

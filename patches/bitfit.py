@@ -1,11 +1,9 @@
 """Which parameters of an encoder are BitFit targets; extract a patch from a model; apply one to a model.
 
-Besides the biases, a ``bitfit-ln`` patch (opt-in, ``SCALES["layernorm"]``) also trains every LayerNorm's gain:
-like a bias, a gain is one vector per task that the engine applies per row (an elementwise multiply where a bias is
-an add), so it serves at a bias's cost. A ``bitfit-ia3`` patch (``SCALES["ia3"]``) instead trains (IA)^3 scales
-(Liu et al., 2022): one vector per layer for each of the key and value projections' outputs and the feed-forward
-intermediate's (after its activation), each multiplied into its module's output per row. (IA)^3 sites are modules, not
-parameters: the plain model applies them by forward hooks (``apply_values``), the packed engine by gathered banks.
+Besides the biases, a ``bitfit-ia3`` patch (opt-in, ``SCALES["ia3"]``) trains (IA)^3 scales (Liu et al., 2022): one
+vector per layer for each of the key and value projections' outputs and the feed-forward intermediate's (after its
+activation), each multiplied into its module's output per row. (IA)^3 sites are modules, not parameters: the plain
+model applies them by forward hooks (``apply_values``), the packed engine by gathered banks.
 
 Bias *roles* follow the BitFit paper's symbols (b_q, b_k, b_v, b_m1, b_LN1, b_m2, b_m3, b_LN2, plus the embedding
 LayerNorm and pooler biases). Each architecture maps roles to Hugging Face parameter names by a naming rule, so a
@@ -23,7 +21,7 @@ import torch
 from torch import nn
 
 from patches.errors import EncoderError, PatchKeysError
-from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, SCALED_PATCH_TYPE, Patch, PatchMeta
+from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
 
 _L = r"encoder\.layer\.(\d+)\."
 _BERT_ROLES = {
@@ -67,9 +65,9 @@ BIAS_SUBSETS: dict[str, tuple[str, ...] | None] = {
 }
 
 
-#: what a patch trains besides biases: "none" (BitFit), "layernorm" (every LayerNorm gain too) or "ia3" ((IA)^3
-#: scales on every layer's keys, values and feed-forward intermediate), by patch type
-SCALES: dict[str, str] = {"none": PATCH_TYPE, "layernorm": SCALED_PATCH_TYPE, "ia3": IA3_PATCH_TYPE}
+#: what a patch trains besides biases: "none" (BitFit) or "ia3" ((IA)^3 scales on every layer's keys, values and
+#: feed-forward intermediate), by patch type
+SCALES: dict[str, str] = {"none": PATCH_TYPE, "ia3": IA3_PATCH_TYPE}
 
 #: model_type -> (IA)^3 role -> regex over module names: the modules whose outputs an (IA)^3 patch scales: "k" and
 #: "v" the key and value projections, "ff" the feed-forward intermediate (after its activation)
@@ -105,15 +103,6 @@ def bias_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in bias_parameters(encoder).items()}
 
 
-def scale_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
-    """Every LayerNorm gain of the encoder, by name (what a ``bitfit-ln`` patch trains besides the biases)."""
-    return {
-        f"{n}.weight" if n else "weight": m.weight
-        for n, m in encoder.named_modules()
-        if isinstance(m, nn.LayerNorm) and isinstance(m.weight, nn.Parameter)
-    }
-
-
 def ia3_roles(encoder: nn.Module) -> dict[str, BiasRole]:
     """Each (IA)^3 site's role (``IA3_RULES``: k, v, ff) and layer, by module name, in the encoder's order (none for
     an architecture without rules)."""
@@ -143,9 +132,8 @@ def _output_width(module: nn.Module) -> int:
 
 
 def scale_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The shape of everything a patch can scale: every LayerNorm gain and every (IA)^3 site."""
-    gains = {n: tuple(p.shape) for n, p in scale_parameters(encoder).items()}
-    return gains | {n: (_output_width(m),) for n, m in ia3_sites(encoder).items()}
+    """The shape of everything a patch can scale: every (IA)^3 site."""
+    return {n: (_output_width(m),) for n, m in ia3_sites(encoder).items()}
 
 
 def ia3_base(encoder: nn.Module) -> dict[str, torch.Tensor]:
@@ -153,26 +141,22 @@ def ia3_base(encoder: nn.Module) -> dict[str, torch.Tensor]:
     return {n: torch.ones(_output_width(m)) for n, m in ia3_sites(encoder).items()}
 
 
-def patch_parameters(encoder: nn.Module) -> dict[str, nn.Parameter]:
-    """Every parameter a patch can set: the biases and the LayerNorm gains."""
-    return bias_parameters(encoder) | scale_parameters(encoder)
-
-
 def scale_names(encoder: nn.Module, scales: str) -> list[str]:
-    """Names of the gains that ``scales`` (a key of ``SCALES``) trains, in the encoder's parameter order."""
+    """Names of the (IA)^3 sites that ``scales`` (a key of ``SCALES``) trains, in the encoder's module order."""
     if scales not in SCALES:
         raise ValueError(f"unknown scales {scales!r}; choose one of {sorted(SCALES)}")
     if scales == "none":
         return []
-    names = list(scale_parameters(encoder) if scales == "layernorm" else ia3_sites(encoder))
+    names = list(ia3_sites(encoder))
     if not names:
-        what = "LayerNorm gains" if scales == "layernorm" else f"(IA)^3 rules (IA3_RULES covers {sorted(IA3_RULES)})"
-        raise EncoderError(f"this encoder has no {what} to train; use scales 'none'")
+        raise EncoderError(
+            f"this encoder has no (IA)^3 rules (IA3_RULES covers {sorted(IA3_RULES)}) to train; use scales 'none'"
+        )
     return names
 
 
 def trained_names(encoder: nn.Module, subset: str, scales: str) -> list[str]:
-    """Everything a patch of this bias subset and these scales trains: its biases, then its gains or scales."""
+    """Everything a patch of this bias subset and these scales trains: its biases, then its scales."""
     return target_names(encoder, subset) + scale_names(encoder, scales)
 
 
@@ -213,8 +197,8 @@ def target_names(encoder: nn.Module, subset: str) -> list[str]:
 
 
 def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: Iterable[str] | None = None) -> Patch:
-    """Build a patch from a trained model: the current values of its target biases (and, for a ``bitfit-ln``
-    ``meta.patch_type``, of every LayerNorm gain; for ``bitfit-ia3``, of every (IA)^3 scale) plus the head.
+    """Build a patch from a trained model: the current values of its target biases (and, for a ``bitfit-ia3``
+    ``meta.patch_type``, of every (IA)^3 scale) plus the head.
 
     ``targets`` defaults to the names of ``meta.bias_subset``.
     """
@@ -224,11 +208,7 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
     missing = [n for n in names if n not in params]
     if missing:
         raise PatchKeysError(f"the model has no bias parameters {missing[:5]}")
-    gains: Mapping[str, torch.Tensor] = {}
-    if meta.patch_type == SCALED_PATCH_TYPE:
-        gains = scale_parameters(encoder)
-    elif meta.patch_type == IA3_PATCH_TYPE:
-        gains = ia3_values(encoder)
+    scales: Mapping[str, torch.Tensor] = ia3_values(encoder) if meta.patch_type == IA3_PATCH_TYPE else {}
 
     def value(p: torch.Tensor) -> torch.Tensor:
         return p.detach().to("cpu", torch.float32).clone()
@@ -238,7 +218,7 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
         biases={n: value(params[n]) for n in names},
         head_weight=value(head.weight),
         head_bias=value(head.bias),
-        scales={n: value(p) for n, p in gains.items()},
+        scales={n: value(p) for n, p in scales.items()},
     )
 
 
@@ -262,15 +242,15 @@ def ia3_values(encoder: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def apply_values(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """Copy a patch's values (``Patch.values``: biases, and a ``bitfit-ln`` patch's LayerNorm gains) into a plain HF
-    model in place (the reference path for tests and evaluation). An (IA)^3 scale becomes a buffer of its module and a
-    forward hook (installed once per module) multiplies the module's output by it."""
+    """Copy a patch's values (``Patch.values``: biases and (IA)^3 scales) into a plain HF model in place (the reference
+    path for tests and evaluation). An (IA)^3 scale becomes a buffer of its module and a forward hook (installed once
+    per module) multiplies the module's output by it."""
     encoder = encoder_of(model)
-    params = patch_parameters(encoder)
+    params = bias_parameters(encoder)
     sites = ia3_sites(encoder)
     unknown = sorted(set(values) - set(params) - set(sites))
     if unknown:
-        raise PatchKeysError(f"the model has no bias, LayerNorm gain or (IA)^3 site {unknown[:5]}")
+        raise PatchKeysError(f"the model has no bias or (IA)^3 site {unknown[:5]}")
     for name, value in values.items():
         if name in params:
             params[name].copy_(value.to(params[name].device, params[name].dtype))

@@ -129,21 +129,40 @@ def _register(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
+    from patches.errors import TaskNotFoundError
     from patches.store import open_registry
 
     if args.grace_s is not None and args.grace_s < 0:
         print("error: --grace-s must be 0 or more", file=sys.stderr)
         return 2
-    if args.keep_versions is None:
-        print(f"error: say how many versions to keep: --keep-versions N (or set {KEEP_VERSIONS_ENV})", file=sys.stderr)
+    if args.keep_versions is None and not args.unservable:
+        print(
+            f"error: say how many versions to keep: --keep-versions N (or set {KEEP_VERSIONS_ENV}), or delete the "
+            "versions this build cannot serve: --unservable",
+            file=sys.stderr,
+        )
         return 2
     reg = open_registry(args.registry, min_replicas=args.redis_min_replicas)
     if args.grace_s is not None:
         reg.retired_grace_s = args.grace_s
-    if args.task:
-        pruned = {t: gone for t in args.task if (gone := reg.prune(t, args.keep_versions, dry_run=args.dry_run))}
-    else:
-        pruned = reg.prune_all(args.keep_versions, dry_run=args.dry_run)
+    pruned: dict[str, list[Any]] = {}
+    for task in args.task or reg.tasks():
+        try:
+            unservable = reg.unservable(task) if args.unservable else []
+            gone = reg.prune(task, args.keep_versions, dry_run=args.dry_run, also=[v.version for v in unservable])
+            current = reg.info(task).version
+        except TaskNotFoundError:
+            if args.task:
+                raise
+            continue  # deleted while we listed
+        if gone:
+            pruned[task] = gone
+        if any(v.version == current for v in unservable):  # a current version is never pruned: say what to do
+            print(
+                f"{task}: v{current} is current and this build cannot serve it; retrain the task or roll back "
+                f"(`patchserve rollback {task} VERSION`), then prune again",
+                file=sys.stderr,
+            )
     if args.json:
         print(json.dumps({t: [v.to_dict() for v in gone] for t, gone in pruned.items()}, indent=2))
         return 0
@@ -194,6 +213,12 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="keep versions registered or current this many seconds ago or later (default 600, 10 minutes); 0 "
         "only when no replica can be serving an old version",
+    )
+    p.add_argument(
+        "--unservable",
+        action="store_true",
+        help="also delete the versions this build cannot serve: patches of a retired type (bitfit-ln); with or "
+        "without --keep-versions. A current one stays, and is named with what to do",
     )
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON: task -> deleted versions")

@@ -56,7 +56,7 @@ class Encoder:
 
     @property
     def spec(self) -> BaseSpec:
-        """What this encoder accepts: its fingerprint and the shape of every bias and LayerNorm gain."""
+        """What this encoder accepts: its fingerprint and the shape of every bias and (IA)^3 site."""
         if self._spec is None:
             self._spec = BaseSpec(
                 self.name, self.fingerprint, self.hidden_size, bias_shapes(self.model), scale_shapes(self.model)

@@ -35,6 +35,10 @@ class PatchMetadataError(PatchError):
     """Metadata missing, malformed or inconsistent with the tensors."""
 
 
+class RetiredPatchTypeError(PatchMetadataError):
+    """The patch is of a type an earlier release wrote and this one no longer serves (``RETIRED_PATCH_TYPES``)."""
+
+
 class PatchKeysError(PatchError):
     """Unknown or missing tensor keys."""
 

@@ -4,13 +4,10 @@ This module is the ONLY place that knows tensor key names and the header layout.
 
 * ``bias.<encoder parameter name>``  float32 ``[dim]``  -- the trained value of each targeted bias
   (e.g. ``bias.encoder.layer.0.attention.self.query.bias``); untargeted biases keep the base value;
-* ``scale.<encoder parameter name>`` float32 ``[dim]`` -- only in a ``bitfit-ln`` patch: the trained gain (weight) of
-  every LayerNorm of the encoder (e.g. ``scale.encoder.layer.0.output.LayerNorm.weight``), served as a per-row
-  elementwise multiply exactly as a bias is a per-row add;
 * ``scale.<encoder module name>`` float32 ``[dim]`` -- only in a ``bitfit-ia3`` patch: an (IA)^3 scale (Liu et al.,
   2022) that multiplies the output of that module elementwise: every layer's key and value projections (after their
   bias) and its feed-forward intermediate (after the activation), e.g. ``scale.encoder.layer.0.attention.self.key``
-  and ``scale.encoder.layer.0.intermediate``; a module name never ends in ``.weight``, a LayerNorm gain always does;
+  and ``scale.encoder.layer.0.intermediate`` (a module name, never a parameter's: it does not end in ``.weight``);
 * ``head.weight`` float32 ``[n_out, hidden]`` and ``head.bias`` float32 ``[n_out]`` -- the task head;
 * one metadata entry ``"patchserve"`` in the safetensors header: canonical JSON of :class:`PatchMeta`.
 
@@ -51,15 +48,18 @@ from patches.errors import (
     PatchTooLargeError,
     PatchValueError,
     PatchVersionError,
+    RetiredPatchTypeError,
 )
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = frozenset({1})
 METADATA_KEY = "patchserve"
 PATCH_TYPE = "bitfit"  # biases + head (the default)
-SCALED_PATCH_TYPE = "bitfit-ln"  # biases + every LayerNorm's gain + head (opt-in: ``--scales layernorm``)
 IA3_PATCH_TYPE = "bitfit-ia3"  # biases + (IA)^3 scales on keys, values, FFN intermediates + head (``--scales ia3``)
-PATCH_TYPES = (PATCH_TYPE, SCALED_PATCH_TYPE, IA3_PATCH_TYPE)
+PATCH_TYPES = (PATCH_TYPE, IA3_PATCH_TYPE)
+# Patch types earlier releases wrote and this one no longer serves, with what they held (docs/experiments.md says
+# why each was retired). Reading one is a RetiredPatchTypeError that says what to do, never a crash.
+RETIRED_PATCH_TYPES = {"bitfit-ln": "biases and every LayerNorm's gain"}
 FILE_SUFFIX = ".safetensors"
 BIAS_PREFIX = "bias."
 SCALE_PREFIX = "scale."
@@ -189,7 +189,7 @@ class BaseSpec:
     fingerprint: str
     hidden_size: int
     bias_shapes: Mapping[str, tuple[int, ...]]
-    scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # LayerNorm gains, (IA)^3 sites
+    scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # (IA)^3 sites
 
 
 @dataclass
@@ -232,6 +232,13 @@ class PatchMeta:
             raise PatchVersionError(
                 f"patch format version {version!r} is not supported by this build (reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade patchserve or re-export the patch"
+            )
+        retired = RETIRED_PATCH_TYPES.get(raw.get("patch_type"))  # type: ignore[arg-type]
+        if retired is not None:
+            raise RetiredPatchTypeError(
+                f"patch type {raw['patch_type']!r} ({retired}) is no longer served; retrain the task as a "
+                f"{PATCH_TYPE!r} or {IA3_PATCH_TYPE!r} patch, or roll back to a version of another type "
+                "(`patchserve rollback TASK VERSION`); `patchserve prune --unservable` deletes such versions"
             )
         if raw.get("patch_type") not in PATCH_TYPES:
             raise PatchMetadataError(
@@ -317,8 +324,7 @@ class Patch:
 
     ``biases`` maps encoder parameter names (``encoder.layer.0.attention.self.query.bias``) to ``[dim]`` float32;
     ``head_weight`` is ``[n_out, hidden]`` and ``head_bias`` ``[n_out]``. ``scales`` (empty in a ``bitfit`` patch)
-    maps the names of the encoder's LayerNorm gains (``encoder.layer.0.output.LayerNorm.weight``, a ``bitfit-ln``
-    patch) or of the modules whose outputs its (IA)^3 scales multiply (``encoder.layer.0.intermediate``, a
+    maps the names of the modules whose outputs its (IA)^3 scales multiply (``encoder.layer.0.intermediate``, a
     ``bitfit-ia3`` patch) to their trained ``[dim]`` values.
     """
 
@@ -420,16 +426,13 @@ class Patch:
             raise PatchKeysError(
                 f"a {self.meta.patch_type!r} patch "
                 + ("needs" if scaled else "has no")
-                + f" '{SCALE_PREFIX}<name>' tensors (LayerNorm gains or (IA)^3 scales), this one has "
-                + f"{len(self.scales)}; re-export it"
+                + f" '{SCALE_PREFIX}<name>' tensors ((IA)^3 scales), this one has {len(self.scales)}; re-export it"
             )
-        gains = self.meta.patch_type == SCALED_PATCH_TYPE
-        misplaced = sorted(n for n in self.scales if n.endswith(".weight") != gains)
+        misplaced = sorted(n for n in self.scales if n.endswith(".weight"))
         if misplaced:
             raise PatchKeysError(
-                f"a {self.meta.patch_type!r} patch holds "
-                + ("LayerNorm gains ('<param>.weight')" if gains else "(IA)^3 scales (module names)")
-                + f", not {misplaced[:3]}; re-export it"
+                f"a {self.meta.patch_type!r} patch holds (IA)^3 scales (module names), not parameters such as "
+                f"{misplaced[:3]}; re-export it"
             )
         for key, t in self._keyed().items():
             if t.dtype != torch.float32:
@@ -463,7 +466,7 @@ class Patch:
             "scale",
             self.scales,
             base.scale_shapes,
-            "scales what is neither a LayerNorm gain nor an (IA)^3 site of this encoder",
+            "scales what is not an (IA)^3 site of this encoder",
         )
         if self.head_weight.shape[1] != base.hidden_size:
             raise PatchShapeError(

@@ -80,8 +80,6 @@ MAX_RUNS = 100  # restarts x learning rates
 # (`restarts_merge`; docs/few-sample.md measures it).
 SMALL_DATA_ROWS = 1000
 SMALL_DATA_RESTARTS = 3
-# The contrastive stage (``contrastive`` rounds, opt-in) trains this many pairs an update.
-CONTRASTIVE_PAIRS_PER_UPDATE = 16
 # A dev set this small scores in steps of several points (26 rows: 4 points, a standard error near 9), too coarse
 # to rank the checkpoints of one run: with no `checkpoint` given, such a run keeps its last checkpoint, not its best.
 SMALL_DEV_ROWS = 100
@@ -93,6 +91,11 @@ SELECTION_METRICS: dict[str, tuple[str, ...]] = {
     "token-classification": ("token_accuracy", "entity_f1"),
 }
 METRIC_NAMES = sorted({m for names in SELECTION_METRICS.values() for m in names})
+ANY_VALUE = object()
+# Options earlier releases took and this one does not (docs/experiments.md says why), each with its "off" value: a
+# job an earlier release queued holds every option, so these are dropped at that value (ANY_VALUE: whatever it is,
+# as distill_temperature did nothing without distill) and refused at any other.
+RETIRED_OPTIONS: dict[str, Any] = {"contrastive": 0, "distill": 0.0, "distill_temperature": ANY_VALUE}
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # a bool is not an int, "5" is not a number, NaN is refused
 _Steps = Annotated[int, Field(ge=1, le=MAX_UPDATES_PER_RUN)]
 _Rate = Annotated[float, Field(gt=0, le=1)]
@@ -108,10 +111,9 @@ class TrainConfig:
 
     task: str
     bias_subset: str = "all"
-    # what trains besides the biases: "none" (BitFit, a "bitfit" patch), "layernorm" (every LayerNorm's gain too,
-    # a "bitfit-ln" patch: one more per-row vector per LayerNorm, served at a bias's cost) or "ia3" ((IA)^3 scales on
-    # every layer's keys, values and feed-forward intermediate, a "bitfit-ia3" patch; trains on the packed model)
-    scales: Literal["none", "layernorm", "ia3"] = "none"
+    # what trains besides the biases: "none" (BitFit, a "bitfit" patch) or "ia3" ((IA)^3 scales on every layer's
+    # keys, values and feed-forward intermediate, a "bitfit-ia3" patch; trains on the packed model)
+    scales: Literal["none", "ia3"] = "none"
     pooling: str | None = None  # None: the encoder's default (mean for sentence-embedding encoders)
     kind: str | None = None  # None: inferred from the data
     max_seq_length: Annotated[int, Field(ge=8, le=65536)] = 128
@@ -140,18 +142,6 @@ class TrainConfig:
     # are the mean of the restarts' (which then share their head's initialisation: a "model soup" of the seeds).
     # None: average where the restarts are automatic (small data), else best
     restarts_merge: Literal["best", "average"] | None = None
-    # rounds of contrastive bias training before the runs (BitFit on classification only): each round pairs every
-    # training row with one row of its label (cosine 1) and one of another label (cosine 0), and the biases learn
-    # those cosines of the pooled vectors, as SetFit tunes its body; every run then starts from the tuned biases.
-    # 0: none (8 rounds at 256 rows scored level with none on the sets' own dev splits, docs/few-sample.md)
-    contrastive: Annotated[int, Field(ge=0, le=1000)] = 0
-    # knowledge distillation (BitFit on classification or regression, opt-in): the share of each run's loss that
-    # follows a teacher's outputs instead of the gold labels. The teacher is the same encoder fully fine-tuned on
-    # the same rows first (``teacher_config()``: full fine-tuning's defaults), so a job also costs that run. For
-    # classification the student matches the teacher's probabilities softened by ``distill_temperature`` (Hinton et
-    # al., 2015: KL divergence x T^2); for regression, its predicted scores (mean squared error). 0: none
-    distill: Annotated[float, Field(ge=0, le=1)] = 0.0
-    distill_temperature: Annotated[float, Field(gt=0, le=100)] = 2.0
     # where each run's head starts: "random", a freshly initialised linear layer; "labels" (classification), each
     # class's row is the frozen encoder's pooled unit vector of the label's name ("positive", "card arrival":
     # underscores read as spaces) and the bias 0, so the head scores a row by its agreement with the names before
@@ -173,16 +163,12 @@ class TrainConfig:
             (self.metric is None or self.metric in METRIC_NAMES, f"metric must be one of {METRIC_NAMES}"),
             (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
-            (not (self.full and self.contrastive), "contrastive trains biases only; drop it or full"),
             (not (self.full and self.scales != "none"), "full fine-tuning trains every weight; drop scales or full"),
-            (not (self.full and self.distill), "distill trains a patch from a full fine-tune; drop it or full"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise JobError(f"training config: {msg}")
         if self.kind in KINDS:
-            self.contrastive_rounds(self.kind)
-            self.check_distill(self.kind)
             self.check_head_init(self.kind)
 
     def selection_metric(self, kind: str, labels: Sequence[Label]) -> str:
@@ -225,21 +211,10 @@ class TrainConfig:
 
     def check_task(self, kind: str, labels: Sequence[Label]) -> None:
         """A JobError where this config cannot train a task of ``kind`` with these labels (tags): a metric that
-        cannot score it, or a contrastive stage without labels to pair rows by. The server, the CLI and the worker
-        ask before any training."""
+        cannot score it, or a label-name head without labels. The server, the CLI and the worker ask before any
+        training."""
         self.selection_metric(kind, labels)
-        self.contrastive_rounds(kind)
-        self.check_distill(kind)
         self.check_head_init(kind)
-
-    def check_distill(self, kind: str) -> None:
-        """A JobError where ``distill`` is set for a task of ``kind`` it cannot train (tagging: checked before any
-        training)."""
-        if self.distill and kind not in ("classification", "regression"):
-            raise JobError(
-                f"training config: distill follows a teacher's outputs per row, for classification or regression, "
-                f"not {kind}; set distill to 0"
-            )
 
     def head_init_for(self, kind: str, train_rows: int) -> Literal["random", "labels"]:
         """Where the heads of a task of ``kind`` on ``train_rows`` rows start (``head_init_why``)."""
@@ -271,42 +246,6 @@ class TrainConfig:
                 f"{kind} head; set head_init to 'random'"
             )
 
-    def teacher_config(self) -> TrainConfig:
-        """The run that trains the teacher of a ``distill`` config: the same encoder fully fine-tuned on the same
-        rows, at full fine-tuning's defaults (``FULL_DEFAULTS``), with this config's seed, batch size, sequence
-        length, step bounds, evaluation schedule, metric and checkpoint rule."""
-        return replace(
-            self,
-            full=True,
-            lr=None,
-            head_lr=None,
-            epochs=None,
-            patience=None,
-            lr_search=[],
-            restarts=1,
-            restarts_merge=None,
-            dropout=None,
-            bias_subset="all",
-            scales="none",
-            contrastive=0,
-            distill=0.0,
-            head_init="random",
-        ).resolved()
-
-    def contrastive_rounds(self, kind: str) -> int:
-        """Rounds of the contrastive stage for a task of ``kind``; a JobError where there are some and ``kind`` has
-        no labels to pair rows by (checked before any training)."""
-        if self.contrastive and kind != "classification":
-            raise JobError(
-                f"training config: contrastive pairs rows by their label, so it needs classification, not {kind}; "
-                "set contrastive to 0"
-            )
-        return self.contrastive
-
-    def contrastive_steps(self, train_rows: int) -> int:
-        """Updates of the contrastive stage on ``train_rows`` rows: two pairs a row a round."""
-        return math.ceil(self.contrastive * 2 * train_rows / CONTRASTIVE_PAIRS_PER_UPDATE)
-
     def runs(self, train_rows: int) -> int:
         """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""
         return self.restarts_for(train_rows) * max(1, len(self.lr_search))
@@ -332,7 +271,20 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: Any) -> TrainConfig:
-        """A config from JSON (a job, the API); see ``_from_json``."""
+        """A config from JSON (a job, the API); see ``_from_json``. A retired option (``RETIRED_OPTIONS``) at its
+        "off" value, as a job queued by an earlier release holds it, is dropped; any other value is refused."""
+        if isinstance(raw, dict):
+            raw = dict(raw)
+            for name, off in RETIRED_OPTIONS.items():
+                if name in raw and raw.pop(name) != off and off is not ANY_VALUE:
+                    raise JobError(
+                        f"training config: {name} was removed (it did not pay; docs/experiments.md); drop {name}"
+                    )
+            if raw.get("scales") == "layernorm":
+                raise JobError(
+                    "training config: scales 'layernorm' (the bitfit-ln kind) was removed (it did not pay; "
+                    "docs/experiments.md); use 'none' or 'ia3'"
+                )
         return _from_json(cls, raw, "training config")
 
 
@@ -394,16 +346,12 @@ class JobLimits:
     def check(self, config: TrainConfig, train_rows: int) -> None:
         """A JobError when ``config`` on ``train_rows`` rows would make more updates than ``max_updates``."""
         per_run, runs = config.planned_steps(train_rows), config.runs(train_rows)
-        contrastive = config.contrastive_steps(train_rows)
-        teacher = config.teacher_config().planned_steps(train_rows) if config.distill else 0
-        total = per_run * runs + contrastive + teacher
+        total = per_run * runs
         if total > self.max_updates:
-            stage = f" + {contrastive} contrastive" if contrastive else ""
-            stage += f" + {teacher} teacher" if teacher else ""
             raise JobError(
-                f"this job would make {total} updates ({runs} run(s) x {per_run}{stage}), over this deployment's "
-                f"limit of {self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts, "
-                "lr_search, contrastive or distill, or set max_steps"
+                f"this job would make {total} updates ({runs} run(s) x {per_run}), over this deployment's limit of "
+                f"{self.max_updates} (PATCHSERVE_MAX_JOB_UPDATES); lower epochs, min_steps, restarts or lr_search, or "
+                "set max_steps"
             )
 
 

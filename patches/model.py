@@ -46,7 +46,7 @@ class TaskModel(nn.Module):
 
     @classmethod
     def from_patch(cls, encoder: nn.Module, patch: Patch) -> TaskModel:
-        """Apply a patch's biases (and gains) to ``encoder`` (in place) and attach its head."""
+        """Apply a patch's biases (and scales) to ``encoder`` (in place) and attach its head."""
         apply_values(encoder, patch.values)
         head = head_module(patch).to(next(encoder.parameters()).device)
         return cls(encoder, head, patch.meta.kind, patch.meta.pooling)

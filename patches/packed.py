@@ -23,18 +23,13 @@ dropout is applied where BERT applies it. The folds that move a LayerNorm beta o
 not exact under dropout, so a training model builds its PackedBert with ``fold_value_bias=False, fold_ln_bias=False``
 (dropping the key bias stays exact: the key bias gets no gradient in the plain model either).
 
-A ``bitfit-ln`` patch also sets every LayerNorm's gain. Gains enter as *gain banks* (``emb_g``, ``{i}.g1``,
-``{i}.g2``), gathered per token like the bias banks and multiplied into the normalised values where the shared
-gain would be; the betas still fold as above (they are added after the gain). The gain banks exist only once a
-patch with gains has been loaded (``generation`` counts that, so captured graphs are dropped); until then every
-LayerNorm runs with the shared gain, and a BitFit-only server pays nothing for them.
-
 A ``bitfit-ia3`` patch sets (IA)^3 scales: per layer, one on the key and value projections' outputs (the *scale bank*
 ``{i}.s`` ``[slots, 3H]``, ones over the query part, multiplied into the query/key/value product's output after its
 bias) and one on the feed-forward intermediate after its activation (``{i}.si``). The folds stay exact: the key
 scale does not break the key bias's drop (q . (s * b_k) is still one constant per query), and the value bias folds
 into the attention-output bias scaled (attention weights sum to 1, so V's scale passes through them per feature).
-Like the gain banks, the scale banks exist only once a patch with scales has been loaded.
+The scale banks exist only once a patch with scales has been loaded (``generation`` counts that, so captured graphs
+are dropped); until then a BitFit-only server pays nothing for them.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patches.bitfit import ia3_base, patch_parameters
+from patches.bitfit import bias_parameters, ia3_base
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -105,7 +100,7 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
 class _Layer:
     wqkv: torch.Tensor  # [3H, H]: query, key, value weights stacked
     wo: torch.Tensor
-    g1: torch.Tensor
+    g1: torch.Tensor  # LayerNorm gains (shared by every task)
     eps1: float
     wi: torch.Tensor
     wf: torch.Tensor
@@ -217,8 +212,6 @@ class PackedBert:
                     g2=layer.output.LayerNorm.weight.detach(),
                     eps2=float(layer.output.LayerNorm.eps),
                     names={
-                        "g1": p + "attention.output.LayerNorm.weight",
-                        "g2": p + "output.LayerNorm.weight",
                         "q": p + "attention.self.query.bias",
                         "k": p + "attention.self.key.bias",
                         "v": p + "attention.self.value.bias",
@@ -236,15 +229,10 @@ class PackedBert:
         pooler = getattr(bert, "pooler", None)
         self.pooler_w: torch.Tensor | None = pooler.dense.weight.detach() if pooler is not None else None
         self.device, self.dtype = self.word.device, self.word.dtype
-        #: every bias, LayerNorm gain and (IA)^3 scale of the encoder at its base value, float32 (what a task that does
-        #: not set it gets)
-        self.base = {n: p.detach().float().clone() for n, p in patch_parameters(model).items()}
+        #: every bias and (IA)^3 scale of the encoder at its base value, float32 (what a task that does not set it gets)
+        self.base = {n: p.detach().float().clone() for n, p in bias_parameters(model).items()}
         self.base.update({n: v.to(self.device) for n, v in ia3_base(model).items()})
-        self.gain_names = frozenset(
-            ["embeddings.LayerNorm.weight", *(layer.names[g] for layer in self.layers for g in ("g1", "g2"))]
-        )
         self.scale_names = frozenset(layer.names[s] for layer in self.layers for s in ("sk", "sv", "si"))
-        self.gains = False  # whether the banks hold per-slot LayerNorm gains (once a patch with gains is loaded)
         self.scales = False  # whether the banks hold per-slot (IA)^3 scales (once a patch with them is loaded)
         self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
         base = self.bank_values([{}])  # every slot starts as the base encoder
@@ -253,8 +241,7 @@ class PackedBert:
     # --- banks ---------------------------------------------------------------------------------------------------
     def bank_values(self, tasks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Folded bank rows ``[K, D]`` (float32) of K tasks, from their biases (base values where a task has none).
-        The gain banks come too when this model holds them (``gains``) or a task sets a LayerNorm gain; the scale
-        banks likewise (``scales``, a task that sets an (IA)^3 scale).
+        The scale banks come too when this model holds them (``scales``) or a task sets an (IA)^3 scale.
 
         The K tasks fold together: each fold through a weight is one ``[K, in] @ [in, out]`` product, so loading
         many patches at once (a cold batch, a preload) costs a few matrix products, not K matrix-vector ones."""
@@ -269,10 +256,6 @@ class PackedBert:
 
         h = self.hidden
         vals: dict[str, torch.Tensor] = {}
-        if self.gains or any(not self.gain_names.isdisjoint(t) for t in tasks):
-            vals["emb_g"] = get("embeddings.LayerNorm.weight")
-            for i, layer in enumerate(self.layers):
-                vals[f"{i}.g1"], vals[f"{i}.g2"] = get(layer.names["g1"]), get(layer.names["g2"])
         scaled = self.scales or any(not self.scale_names.isdisjoint(t) for t in tasks)
         carry = get("embeddings.LayerNorm.bias")  # the beta of the LayerNorm in front, not yet added
         if not self.fold_ln_bias:
@@ -316,16 +299,15 @@ class PackedBert:
         """Fold ``tasks``' biases and write them into bank rows ``slots`` (one per task)."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         values = self.bank_values(tasks)
-        if not set(values) <= set(self.banks):  # the first patch with gains or scales: every slot gets their banks
-            self._add_banks(gains="emb_g" in values, scales="0.s" in values)
+        if not set(values) <= set(self.banks):  # the first patch with scales: every slot gets their banks
+            self._add_scale_banks()
         for k, v in values.items():
             self.banks[k].index_copy_(0, index, v.to(self.dtype))
 
-    def _add_banks(self, *, gains: bool, scales: bool) -> None:
-        """Give every slot LayerNorm gain banks and / or (IA)^3 scale banks at their base values (which the slots
-        loaded so far keep)."""
+    def _add_scale_banks(self) -> None:
+        """Give every slot (IA)^3 scale banks at their base values (which the slots loaded so far keep)."""
         n_slots = next(iter(self.banks.values())).shape[0]
-        self.gains, self.scales = self.gains or gains, self.scales or scales
+        self.scales = True
         for k, v in self.bank_values([{}]).items():
             if k not in self.banks:
                 self.banks[k] = v.to(self.dtype).expand(n_slots, -1).contiguous()
@@ -368,35 +350,29 @@ class PackedBert:
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)
 
-        def norm(x: torch.Tensor, gain: torch.Tensor, name: str, beta: str, eps: float) -> torch.Tensor:
-            """LayerNorm with the shared gain, or each row's own from the gain bank ``name``, then the beta bank
-            ``beta`` where there is one. With gain banks it normalises, scales and shifts in float32 and rounds once
-            to ``x``'s dtype, as a fused LayerNorm does (in half precision, rounding after each step put a
-            bitfit-ln server's every row further from float32 than the plain model's)."""
-            if name in banks:
-                y = F.layer_norm(x.float(), (h,), None, None, eps) * bias(name)
-                return (y + bias(beta) if beta in banks else y).to(x.dtype)
+        def norm(x: torch.Tensor, gain: torch.Tensor, beta: str, eps: float) -> torch.Tensor:
+            """LayerNorm with the shared gain, then the beta bank ``beta`` where there is one (else it is folded)."""
             y = F.layer_norm(x, (h,), gain.to(x.dtype), None, eps)
             return y + bias(beta) if beta in banks else y
 
         x = F.embedding(b.ids, self.word) + F.embedding(b.pos, self.position)
         if self.token_type is not None:
             x = x + F.embedding(b.types, self.token_type)
-        x = drop(norm(x, self.emb_g, "emb_g", "emb_ln", self.emb_eps))
+        x = drop(norm(x, self.emb_g, "emb_ln", self.emb_eps))
         for i, layer in enumerate(self.layers):
             qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
             if f"{i}.s" in banks:  # (IA)^3: keys and values scaled per row
                 qkv = qkv * bias(f"{i}.s")
             ctx = self._attend(qkv, b, attention, attention_dropout)
             y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
-            x = norm(y + x, layer.g1, f"{i}.g1", f"{i}.ln1", layer.eps1)
+            x = norm(y + x, layer.g1, f"{i}.ln1", layer.eps1)
             y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
             if f"{i}.si" in banks:  # (IA)^3: the intermediate scaled per row
                 y = y * bias(f"{i}.si")
             y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()
-            x = norm(y + x, layer.g2, f"{i}.g2", f"{i}.ln2", layer.eps2)
+            x = norm(y + x, layer.g2, f"{i}.ln2", layer.eps2)
         if "out" in banks:
             x = x + bias("out")
         return x

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -39,12 +39,10 @@ class PackedTaskModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids=None, run=None)`` -> logits, as TaskModel's.
 
     ``encoder`` is a BertModel (``patches.packed.packed_unsupported`` says which are not); ``heads`` holds each run's
-    initial head (its count is the number of runs); ``trained`` names the biases (and LayerNorm gains or (IA)^3
-    scales, for a ``bitfit-ln`` or ``bitfit-ia3`` patch) every run trains, initialised at
-    the encoder's values, or at ``start``'s where it has them (a contrastive stage's tuned biases). ``run`` gives
-    each row's run (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other
-    models (default: one of its own). ``pooled``: ``forward`` gives each row's pooled vector ``[B, H]`` instead of
-    its head's logits (the contrastive stage's output; classification and regression kinds)."""
+    initial head (its count is the number of runs); ``trained`` names the biases (and (IA)^3 scales, for a
+    ``bitfit-ia3`` patch) every run trains, initialised at the encoder's values. ``run`` gives each row's run
+    (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other models
+    (default: one of its own)."""
 
     def __init__(
         self,
@@ -57,8 +55,6 @@ class PackedTaskModel(nn.Module):
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
         packed: PackedBert | None = None,
-        start: Mapping[str, torch.Tensor] | None = None,
-        pooled: bool = False,
     ) -> None:
         super().__init__()
         if not heads:
@@ -68,17 +64,14 @@ class PackedTaskModel(nn.Module):
             raise ValueError("packed= must be a training_bert() of this encoder")
         unknown = sorted(set(trained) - set(base.base))
         if unknown:
-            raise ValueError(f"the encoder has no biases, gains or (IA)^3 sites {unknown[:5]}")
+            raise ValueError(f"the encoder has no biases or (IA)^3 sites {unknown[:5]}")
         self._frozen = (encoder, base)  # a tuple, not submodules: their weights are not this module's parameters
         self.kind, self.pooling = kind, pooling
         self.trained = list(trained)
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
         device = base.device
-        start = {} if start is None else start
-        self.pooled = pooled
         self.run_biases = nn.ModuleList(
-            nn.ParameterList(nn.Parameter(start.get(n, base.base[n]).to(device).clone()) for n in self.trained)
-            for _ in heads
+            nn.ParameterList(nn.Parameter(base.base[n].to(device).clone()) for n in self.trained) for _ in heads
         )
         self.head_weights = nn.ParameterList(nn.Parameter(h.weight.detach().to(device).clone()) for h in heads)
         self.head_biases = nn.ParameterList(nn.Parameter(h.bias.detach().to(device).clone()) for h in heads)
@@ -159,7 +152,7 @@ class PackedTaskModel(nn.Module):
 
     def logits(self, x: torch.Tensor, batch: PackedBatch, banks: dict[str, torch.Tensor], width: int) -> torch.Tensor:
         """The heads over encoded tokens ``x`` of ``batch`` (this model's rows only): ``[B, C]``, or for tagging
-        every token's logits back in the padded layout ``[B, width, C]``; ``pooled``: the rows' vectors ``[B, H]``."""
+        every token's logits back in the padded layout ``[B, width, C]``."""
         heads = self.heads()
         n_rows = batch.row_slot.shape[0]
         if self.kind == "token-classification":
@@ -168,17 +161,13 @@ class PackedTaskModel(nn.Module):
             out = logits.new_zeros(n_rows * width, logits.shape[1])
             out = out.index_copy(0, batch.seg * width + batch.pos, logits)
             return out.view(n_rows, width, -1)
-        pooled_and_logits = self.packed.pool(x, batch, heads, banks)
-        hidden = self.packed.hidden
-        return pooled_and_logits[:, :hidden] if self.pooled else pooled_and_logits[:, hidden:]
+        return self.packed.pool(x, batch, heads, banks)[:, self.packed.hidden :]
 
-    def joint_key(self) -> tuple[int, float, float, bool, bool, bool]:
+    def joint_key(self) -> tuple[int, float, float, bool, bool]:
         """Models with equal keys encode their rows together (``joint_forward``): the same frozen weights, dropout
-        rates and mode, and alike in training LayerNorm gains and (IA)^3 scales or not (their banks have the same
-        keys)."""
-        gains = not self.packed.gain_names.isdisjoint(self.trained)
+        rates and mode, and alike in training (IA)^3 scales or not (their banks have the same keys)."""
         scales = not self.packed.scale_names.isdisjoint(self.trained)
-        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, gains, scales
+        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, scales
 
     @torch.no_grad()
     def task_model(self, run: int) -> TaskModel:

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from patches.bitfit import base_biases, ia3_base, scale_parameters, target_names
+from patches.bitfit import base_biases, ia3_base, target_names
 from patches.encoder import Encoder
-from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, SCALED_PATCH_TYPE, BaseRef, Label, Patch, PatchMeta
+from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, BaseRef, Label, Patch, PatchMeta
 
 DEFAULT_LABELS: dict[str, list[Label]] = {
     "classification": ["negative", "positive"],
@@ -52,22 +52,17 @@ def random_patch(
     scale: float = 0.5,
     head_scale: float = 1.0,
     max_seq_length: int = 32,
-    gain_scale: float = 0.0,
     ia3_scale: float = 0.0,
 ) -> Patch:
     """A patch of ``encoder`` whose biases are the base values moved by seeded noise (std ``scale``), with a
     seeded random head (its weights times ``head_scale``: below 1, class scores stay away from 0 and 1).
-    ``gain_scale`` > 0 makes a ``bitfit-ln`` patch: every LayerNorm gain moved by noise of that std, too;
-    ``ia3_scale`` > 0 a ``bitfit-ia3`` patch: every (IA)^3 scale is 1 plus noise of that std."""
+    ``ia3_scale`` > 0 makes a ``bitfit-ia3`` patch: every (IA)^3 scale is 1 plus noise of that std."""
     gen = torch.Generator().manual_seed(seed)
     labels = DEFAULT_LABELS[kind] if labels is None else labels
     names = target_names(encoder.model, subset)
     biases = {n: b + scale * torch.randn(b.shape, generator=gen) for n, b in base_biases(encoder.model, names).items()}
-    gains = scale_parameters(encoder.model) if gain_scale > 0 else {}
-    scales = {n: g.detach().float() + gain_scale * torch.randn(g.shape, generator=gen) for n, g in gains.items()}
+    scales: dict[str, torch.Tensor] = {}
     if ia3_scale > 0:
-        if scales:
-            raise ValueError("a patch holds LayerNorm gains or (IA)^3 scales, not both")
         ones = ia3_base(encoder.model)
         scales = {n: v + ia3_scale * torch.randn(v.shape, generator=gen) for n, v in ones.items()}
     n_out = 1 if kind == "regression" else len(labels)
@@ -80,7 +75,7 @@ def random_patch(
         pooling=pooling,
         max_seq_length=max_seq_length,
         metrics={"dev_accuracy": 0.5},
-        patch_type=IA3_PATCH_TYPE if ia3_scale > 0 else SCALED_PATCH_TYPE if scales else PATCH_TYPE,
+        patch_type=IA3_PATCH_TYPE if scales else PATCH_TYPE,
     )
     return Patch(
         meta=meta,

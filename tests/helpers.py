@@ -135,3 +135,27 @@ def wait_until(pred, timeout: float = 20.0, what: str = "condition", interval: f
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(interval)
+
+
+def retired_patch(encoder, task: str = "sentiment", seed: int = 1):
+    """A ``bitfit-ln`` patch as an earlier release wrote it (biases, every LayerNorm's gain, a head; patch type
+    "bitfit-ln", which this build no longer serves), as the object a registry's ``put`` takes: its bytes, content
+    hash and task."""
+    import hashlib
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save
+
+    patch = make_patch(encoder, task, seed=seed)
+    gains = {
+        f"scale.{name}.weight": module.weight.detach().float() + 0.1
+        for name, module in encoder.model.named_modules()
+        if isinstance(module, torch.nn.LayerNorm)
+    }
+    tensors = {f"bias.{n}": v for n, v in patch.biases.items()} | gains
+    tensors |= {"head.weight": patch.head_weight, "head.bias": patch.head_bias}
+    meta = json.loads(patch.meta.to_json()) | {"patch_type": "bitfit-ln"}
+    data = save(tensors, metadata={"patchserve": json.dumps(meta, sort_keys=True, separators=(",", ":"))})
+    patch_id = "sha256:" + hashlib.sha256(data).hexdigest()
+    return SimpleNamespace(data=data, patch_id=patch_id, meta=SimpleNamespace(task=task))

@@ -56,10 +56,10 @@ def reference_probs(encoder, patch, text, pair=None):
         return model(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])[0]
 
 
-@pytest.mark.parametrize("gains", [0.0, 0.3], ids=["bitfit", "bitfit-ln"])
-def test_register_then_predict_matches_the_reference(make_client, tiny_encoder, gains):
+@pytest.mark.parametrize("scales", [0.0, 0.3], ids=["bitfit", "bitfit-ia3"])
+def test_register_then_predict_matches_the_reference(make_client, tiny_encoder, scales):
     client = make_client()
-    patch = make_patch(tiny_encoder, "sentiment", seed=3, gain_scale=gains)
+    patch = make_patch(tiny_encoder, "sentiment", seed=3, ia3_scale=scales)
     r = upload(client, patch)
     assert r.status_code == 201, r.text
     body = r.json()
@@ -70,7 +70,7 @@ def test_register_then_predict_matches_the_reference(make_client, tiny_encoder, 
         "kind": "classification",
         "labels": ["negative", "positive"],
         "n_params": patch.n_params,
-        "patch_type": "bitfit-ln" if gains else "bitfit",
+        "patch_type": "bitfit-ia3" if scales else "bitfit",
         "base": {"name": tiny_encoder.name, "fingerprint": tiny_encoder.fingerprint},
     }
     r = client.post(
@@ -240,6 +240,30 @@ def test_task_management_routes(make_client, tiny_encoder):
     r = client.post("/tasks/t/predict", json={"inputs": "good"})
     assert r.status_code == 404 and "GET /tasks" in r.json()["detail"]
     assert client.get("/tasks").json() == []
+
+
+def test_a_retired_patch_type_in_the_registry_is_a_409_that_says_what_to_do(make_client, tiny_encoder, tmp_path):
+    """A registry an earlier release wrote may hold a bitfit-ln patch (a type since removed): predicting with it is
+    a 409 naming the version and what to do, the task stays listed, a rollback serves again, and uploading one is
+    refused."""
+    from patches.store import DiskRegistry
+    from tests.helpers import retired_patch
+
+    good, old = make_patch(tiny_encoder, "t", seed=1), retired_patch(tiny_encoder, "t")
+    registry = DiskRegistry(tmp_path / "reg")
+    registry.put(good)
+    registry.put(old)  # v2, current
+    client = make_client()
+    r = client.post("/tasks/t/predict", json={"inputs": "good"})
+    detail = r.json()["detail"]
+    assert r.status_code == 409 and f"'t' v2 ({old.patch_id})" in detail and "'bitfit-ln'" in detail
+    assert "retrain the task" in detail and "roll back" in detail
+    assert [(t["name"], t["version"]) for t in client.get("/tasks").json()] == [("t", 2)]
+    assert client.post("/tasks/t/rollback", json={"version": 1}).status_code == 200
+    assert client.post("/tasks/t/predict", json={"inputs": "good"}).json()["patch_id"] == good.patch_id
+    r = upload(client, old)
+    assert r.status_code == 422 and "is no longer served" in r.json()["detail"]
+    assert registry.info("t").version == 1
 
 
 def test_bad_patches_are_refused_and_the_registry_is_unchanged(make_client, tiny_encoder):

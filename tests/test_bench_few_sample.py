@@ -89,15 +89,16 @@ def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
     # a quality-table run (a large set) recorded with restarts=1 and no checkpoint, metric or restarts_merge ran as
     # today's defaults do there; a 256-row run recorded the same way did not (today: 3 seeds and the last checkpoint)
     old = default_settings("bitfit") | {"restarts": 1}
-    del old["checkpoint"], old["metric"], old["restarts_merge"], old["contrastive"]  # (no stage before it existed)
+    del old["checkpoint"], old["metric"], old["restarts_merge"]
     del old["head_init"]  # (a random head before label-name heads existed)
     assert is_current({"mode": "bitfit", "settings": old})
     assert differences({"mode": "bitfit", "rows": 256, "settings": old}) == (
         "head_init=random, restarts=1, checkpoint=best"
     )
     assert is_current({"mode": "bitfit", "rows": 256, "settings": default_settings("bitfit")})
-    stage = default_settings("bitfit") | {"contrastive": 8}
+    stage = default_settings("bitfit") | {"contrastive": 8}  # a since-retired option, recorded on
     assert differences({"mode": "bitfit", "rows": 256, "settings": stage}) == "contrastive=8"
+    assert is_current({"mode": "bitfit", "rows": 256, "settings": default_settings("bitfit") | {"contrastive": 0}})
     # an unset head_init starts a small classifier from its label names, and nothing else
     labelled = default_settings("bitfit") | {"head_init": "labels"}
     assert is_current({"set": "trec", "mode": "bitfit", "rows": 256, "settings": labelled})
@@ -127,8 +128,8 @@ def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(
 
 
 def test_opt_in_candidates_are_compared_with_todays_defaults_on_the_same_draws(tmp_path):
-    today, stage = default_settings("bitfit"), default_settings("bitfit") | {"contrastive": 8}
-    gains, both = today | {"scales": "layernorm"}, stage | {"scales": "layernorm"}
+    today, stage = default_settings("bitfit"), default_settings("bitfit") | {"min_steps": 1200}
+    gains, both = today | {"scales": "ia3"}, stage | {"scales": "ia3"}
     run = {"set": "trec", "rows": 256, "mode": "bitfit", "metric": "accuracy", "device": "cpu", "seconds": 60}
     runs = [
         run | {"seed": 0, "test": 0.92, "heldout": 0.88, "dev": 0.9, "settings": stage},
@@ -141,24 +142,24 @@ def test_opt_in_candidates_are_compared_with_todays_defaults_on_the_same_draws(t
     ]
     text = _table(runs, tmp_path)
     assert (
-        "- trec, 256 rows, bitfit (cpu): scales=layernorm against today's defaults, same draws: "
+        "- trec, 256 rows, bitfit (cpu): scales=ia3 against today's defaults, same draws: "
         "set's dev -2.0 (per draw: -2.0); test +2.0 (per draw: +2.0)"
     ) in text
     # two changes: each is paired with the runs that have only the other
     assert (
-        "- trec, 256 rows, bitfit (cpu): scales=layernorm against contrastive=8, same draws: "
+        "- trec, 256 rows, bitfit (cpu): scales=ia3 against min_steps=1200, same draws: "
         "set's dev -36.0 (per draw: -36.0); test -40.0 (per draw: -40.0)"
     ) in text
     assert (
-        "- trec, 256 rows, bitfit (cpu): contrastive=8 against scales=layernorm, same draws: "
+        "- trec, 256 rows, bitfit (cpu): min_steps=1200 against scales=ia3, same draws: "
         "set's dev -35.0 (per draw: -35.0); test -43.0 (per draw: -43.0)"
     ) in text
-    assert "contrastive=8, scales=layernorm against" not in text
+    assert "scales=ia3, min_steps=1200 against" not in text
     assert changes("lr_search=[0.001, 0.002], scales=ia3") == ["lr_search=[0.001, 0.002]", "scales=ia3"]
     assert changes("today's defaults") == []
-    assert "| trec | 256 | bitfit | contrastive=8 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
+    assert "| trec | 256 | bitfit | min_steps=1200 | 93.7 ± 4.7 | 91.0 ± 7.0 |" in text
     assert (
-        "- trec, 256 rows, bitfit (cpu): contrastive=8 against today's defaults, same draws: "
+        "- trec, 256 rows, bitfit (cpu): min_steps=1200 against today's defaults, same draws: "
         "set's dev +0.3 (per draw: +1.6, -1.0); test +0.0 (per draw: +1.0, -1.0)"
     ) in text
 

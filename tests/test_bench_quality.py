@@ -63,34 +63,17 @@ def test_min_per_run_shares_a_joint_batch_out_over_its_runs():
     assert _minutes([]) == "-"
 
 
-def test_a_distilled_run_is_a_candidate_and_runs_recorded_before_distill_existed_stay_current():
+def test_runs_recorded_with_since_retired_options_off_stay_current_and_on_show_them():
+    """Runs recorded while the contrastive stage and distillation existed hold them in their settings: off (0),
+    they trained as today's defaults do; on, the table shows the setting."""
     today = settings(TrainConfig(task="quality"))
-    before = {k: v for k, v in today.items() if k not in ("distill", "distill_temperature")}  # an older record
+    then = today | {"contrastive": 0, "distill": 0.0, "distill_temperature": 2.0}  # a record from before
     run = {"set": "rotten_tomatoes", "mode": "bitfit", "train_rows": 8530, "dev_rows": 1066}
-    assert is_current(run | {"settings": before}) and is_current(run | {"settings": today})
-    distilled = run | {"settings": today | {"distill": 0.5}}
-    assert not is_current(distilled) and differences(distilled) == "distill=0.5"  # the default temperature: unsaid
-    hotter = run | {"settings": today | {"distill": 0.5, "distill_temperature": 4.0}}
-    assert differences(hotter) == "distill=0.5, distill_temperature=4.0"
-    # without a teacher the temperature does nothing: such a run is still at today's defaults
-    assert is_current(run | {"settings": today | {"distill_temperature": 4.0}})
-
-
-def test_the_table_shows_each_distilled_patch_beside_its_teacher(tmp_path):
-    today = settings(TrainConfig(task="quality"))
-    base = {"set": "rotten_tomatoes", "mode": "bitfit", "metric": "accuracy", "train_rows": 8530, "dev_rows": 1066}
-    runs = [
-        base
-        | {"seed": s, "test": t, "dev": 0.84, "seconds": 420.0, "device": "cpu", "settings": today | {"distill": 0.5}}
-        | {"teacher": {"test": tt, "dev": 0.86, "seconds": 150.0, "best_step": 2000}}
-        for s, t, tt in ((0, 0.81, 0.83), (1, 0.83, 0.85))
-    ]
-    path = tmp_path / "quality.md"
-    write_table(runs, path, "python bench/quality.py --set distill=0.5")
-    row = (
-        "| rotten_tomatoes | bitfit | distill=0.5 | 82.0 ± 1.4 | 84.0 ± 1.4 | 84.0 ± 0.0 | 86.0 ± 0.0 | 2 | 2.5 | cpu |"
-    )
-    assert row in path.read_text().splitlines()
+    assert is_current(run | {"settings": then}) and is_current(run | {"settings": today})
+    distilled = run | {"settings": then | {"distill": 0.5}}
+    assert not is_current(distilled) and differences(distilled) == "distill=0.5, distill_temperature=2.0"
+    staged = run | {"settings": then | {"contrastive": 8}}
+    assert not is_current(staged) and differences(staged) == "contrastive=8"
 
 
 def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_it(tmp_path):

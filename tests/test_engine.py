@@ -67,23 +67,18 @@ def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_pa
     torch.testing.assert_close(alone, got[0], rtol=0, atol=1e-5)
 
 
-def _scale_banks(runner: Runner, scales: str) -> int:
-    """How many per-slot LayerNorm gain banks (``layernorm``) or (IA)^3 scale banks (``ia3``) the engine holds."""
+def _scale_banks(runner: Runner) -> int:
+    """How many per-slot (IA)^3 scale banks the engine holds."""
     if runner.packed is not None:
-        suffixes = (".g1", ".g2") if scales == "layernorm" else (".s", ".si")
-        return sum(k == "emb_g" or k.endswith(suffixes) for k in runner.packed.banks)
-    attribute = "gain" if scales == "layernorm" else "scale"
-    return sum(getattr(m, attribute, None) is not None for m in runner.model.modules())
+        return sum(k.endswith((".s", ".si")) for k in runner.packed.banks)
+    return sum(getattr(m, "scale", None) is not None for m in runner.model.modules())
 
 
-@pytest.mark.parametrize("scales", ["layernorm", "ia3"])
 @pytest.mark.parametrize("simplify", [True, False], ids=["drop-k+fold-v", "plain-banks"])
 @pytest.mark.parametrize("engine", ["packed", "slotted"])
-def test_scaled_patches_serve_exactly_beside_bias_patches(
-    tiny_bert_dir, tiny_encoder, task_patches, engine, simplify, scales
-):
-    """bitfit-ln (LayerNorm gains) and bitfit-ia3 ((IA)^3 scales on keys, values, intermediates) patches in mixed
-    batches with BitFit ones: every row as the plain model with that patch applied gives it."""
+def test_scaled_patches_serve_exactly_beside_bias_patches(tiny_bert_dir, tiny_encoder, task_patches, engine, simplify):
+    """bitfit-ia3 ((IA)^3 scales on keys, values, intermediates) patches in mixed batches with BitFit ones: every
+    row as the plain model with that patch applied gives it."""
     runner = Runner(
         load_encoder(str(tiny_bert_dir)),
         device="cpu",
@@ -95,8 +90,8 @@ def test_scaled_patches_serve_exactly_beside_bias_patches(
     rng = random.Random(1)
     plain_rows = [r for p in task_patches for r in _rows(tiny_encoder, p, [rng.choice(SENTENCES)])]
     before = runner.run(plain_rows)
-    assert _scale_banks(runner, scales) == 0  # BitFit patches alone: nothing per slot but the biases
-    noise = {"gain_scale": 0.3} if scales == "layernorm" else {"ia3_scale": 0.3}
+    assert _scale_banks(runner) == 0  # BitFit patches alone: nothing per slot but the biases
+    noise = {"ia3_scale": 0.3}
     scaled = [
         make_patch(tiny_encoder, "g-sent", seed=11, **noise),
         make_patch(tiny_encoder, "g-pos", seed=12, kind="token-classification", **noise),
@@ -108,13 +103,11 @@ def test_scaled_patches_serve_exactly_beside_bias_patches(
     rng.shuffle(rows)
     got = runner.run(rows)
     layers = tiny_encoder.model.config.num_hidden_layers
-    if scales == "layernorm":
-        assert _scale_banks(runner, scales) == 1 + 2 * layers
-    else:  # the packed engine: a qkv scale and an intermediate one per layer; slotted: key, value, output.dense
-        assert _scale_banks(runner, scales) == (2 if engine == "packed" else 3) * layers
+    # the packed engine: a qkv scale and an intermediate one per layer; slotted: key, value, output.dense
+    assert _scale_banks(runner) == (2 if engine == "packed" else 3) * layers
     for row, out in zip(rows, got, strict=True):
         torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
-    # the slots loaded before the scale banks existed keep the shared gains / no scale
+    # the slots loaded before the scale banks existed keep no scale
     for was, now in zip(before, runner.run(plain_rows), strict=True):
         torch.testing.assert_close(now, was, rtol=0, atol=1e-5)
     # the scales matter: the same patch without them answers otherwise

@@ -234,20 +234,6 @@ def test_compatibility_with_the_encoder(tiny_encoder):
         patch.check_compatible(BaseSpec(tiny_encoder.name, tiny_encoder.fingerprint, 64, tiny_encoder.spec.bias_shapes))
 
 
-def test_a_patch_with_layernorm_gains_round_trips(tiny_encoder):
-    patch = make_patch(tiny_encoder, gain_scale=0.2)
-    gains = {n for n, m in tiny_encoder.model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
-    assert patch.meta.patch_type == "bitfit-ln" and set(patch.scales) == {f"{n}.weight" for n in gains}
-    loaded = Patch.from_bytes(patch.data)
-    assert loaded.meta == patch.meta and loaded.data == patch.data and loaded.patch_id == patch.patch_id
-    assert loaded.scales.keys() == patch.scales.keys()
-    assert all(torch.equal(loaded.scales[n], patch.scales[n]) for n in patch.scales)
-    assert loaded.values == loaded.biases | loaded.scales
-    plain = make_patch(tiny_encoder)  # same seed: the same biases and head
-    assert loaded.n_params == plain.n_params + sum(t.numel() for t in patch.scales.values())
-    loaded.check_compatible(tiny_encoder.spec)
-
-
 def test_a_patch_with_ia3_scales_round_trips_and_keeps_to_its_kind(tiny_encoder):
     patch = make_patch(tiny_encoder, ia3_scale=0.2)
     layers = tiny_encoder.model.config.num_hidden_layers
@@ -258,29 +244,25 @@ def test_a_patch_with_ia3_scales_round_trips_and_keeps_to_its_kind(tiny_encoder)
         torch.equal(loaded.scales[n], patch.scales[n]) for n in patch.scales
     )
     loaded.check_compatible(tiny_encoder.spec)
-    gains = make_patch(tiny_encoder, gain_scale=0.2)
-    as_ia3 = json.loads(gains.meta.to_json()) | {"patch_type": "bitfit-ia3"}
+    gains = _tensors(patch) | {"scale.encoder.layer.0.output.LayerNorm.weight": torch.ones(32)}
     with pytest.raises(PatchKeysError, match=r"'bitfit-ia3' patch holds \(IA\)\^3 scales .*LayerNorm\.weight"):
-        Patch.from_bytes(_raw(gains, meta=as_ia3))  # LayerNorm gains are not (IA)^3 scales
-    as_ln = json.loads(patch.meta.to_json()) | {"patch_type": "bitfit-ln"}
-    with pytest.raises(PatchKeysError, match=r"'bitfit-ln' patch holds LayerNorm gains"):
-        Patch.from_bytes(_raw(patch, meta=as_ln))
+        Patch.from_bytes(_raw(patch, tensors=gains))  # a LayerNorm gain is a parameter, not an (IA)^3 site
     wrong = dict(tiny_encoder.spec.scale_shapes) | {"encoder.layer.0.intermediate": (3,)}
     with pytest.raises(PatchShapeError, match="encoder's has"):
         patch.check_compatible(replace(tiny_encoder.spec, scale_shapes=wrong))
     renamed = _tensors(patch)
     renamed["scale.encoder.layer.0.attention.self.query"] = renamed.pop("scale.encoder.layer.0.attention.self.key")
-    with pytest.raises(PatchKeysError, match="neither a LayerNorm gain nor an"):
+    with pytest.raises(PatchKeysError, match="scales what is not an"):
         Patch.from_bytes(_raw(patch, tensors=renamed)).check_compatible(tiny_encoder.spec)
 
 
-def test_layernorm_gains_need_their_patch_type_and_fit_the_encoder(tiny_encoder):
-    patch = make_patch(tiny_encoder, gain_scale=0.2)
+def test_scales_need_their_patch_type_and_fit_the_encoder(tiny_encoder):
+    patch = make_patch(tiny_encoder, ia3_scale=0.2)
     plain_meta = json.loads(patch.meta.to_json()) | {"patch_type": "bitfit"}
     with pytest.raises(PatchKeysError, match=r"'bitfit' patch has no 'scale\.<name>' tensors"):
-        Patch.from_bytes(_raw(patch, meta=plain_meta))  # a BitFit patch may not carry gains
+        Patch.from_bytes(_raw(patch, meta=plain_meta))  # a BitFit patch may not carry scales
     without = {k: v for k, v in _tensors(patch).items() if not k.startswith("scale.")}
-    with pytest.raises(PatchKeysError, match="'bitfit-ln' patch needs"):
+    with pytest.raises(PatchKeysError, match="'bitfit-ia3' patch needs"):
         Patch.from_bytes(_raw(patch, tensors=without))
     with pytest.raises(PatchMetadataError, match=r"patch type 'ia3' is not supported .*upgrade"):
         Patch.from_bytes(_raw(patch, meta=plain_meta | {"patch_type": "ia3"}))
@@ -291,16 +273,22 @@ def test_layernorm_gains_need_their_patch_type_and_fit_the_encoder(tiny_encoder)
     poisoned[0] = float("nan")
     with pytest.raises(PatchValueError, match="NaN or Inf"):
         Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: poisoned}))
-    with pytest.raises(PatchKeysError, match=r"'bitfit-ln' patch holds LayerNorm gains .*pooler\.dense\.bias"):
-        Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense.bias": torch.ones(32)}))
-    weight_as_gain = Patch.from_bytes(
-        _raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense.weight": torch.ones(32)})
-    )
-    with pytest.raises(PatchKeysError, match="neither a LayerNorm gain nor an"):
-        weight_as_gain.check_compatible(tiny_encoder.spec)
+    extra = Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale.pooler.dense": torch.ones(32)}))
+    with pytest.raises(PatchKeysError, match="scales what is not an"):
+        extra.check_compatible(tiny_encoder.spec)
     short = Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"scale." + name: torch.ones(7)}))
     with pytest.raises(PatchShapeError, match=r"scale .* has shape \(7,\), the encoder's has"):
         short.check_compatible(tiny_encoder.spec)
+
+
+def test_a_retired_patch_type_is_refused_with_what_to_do(tiny_encoder):
+    """bitfit-ln (biases and LayerNorm gains), written by earlier releases, is no longer served: reading one says
+    so and what to do, instead of asking for an upgrade."""
+    from patches.errors import RetiredPatchTypeError
+    from tests.helpers import retired_patch
+
+    with pytest.raises(RetiredPatchTypeError, match=r"'bitfit-ln' \(biases and every LayerNorm's gain\) is no longer"):
+        Patch.from_bytes(retired_patch(tiny_encoder).data)
 
 
 @pytest.mark.parametrize("name", ["sentiment", "a", "Task_1.v2-x", "9lives"])

@@ -110,19 +110,15 @@ def test_other_architectures_use_the_slotted_engine(tiny_bert_dir):
 def test_cuda_graphs_serve_any_mix_exactly(minilm):
     """float16 with CUDA graphs: rows of mixed batches (different mixes, row counts and lengths, one bucket reused)
     are about as far from the float32 reference as the plain HF model of their task in float16: within 1.25x its
-    mean error. A bitfit-ln patch joins after the first batch: its gain banks replace the graphs' inputs, so they are
-    captured again (into a fresh memory pool).
-
-    The bar: on an H200 (torch 2.11) the engine's mean error was 1.10x the plain model's (1.49e-3 against 1.36e-3)
-    with the gain banks' LayerNorms in float32, rounded once; rounding after each of normalise, scale and shift, as
-    it first did, gave 1.30x (1.77e-3), which this bar catches."""
+    mean error. A bitfit-ia3 patch joins after the first batch: its scale banks replace the graphs' inputs, so they
+    are captured again (into a fresh memory pool)."""
     runner = Runner(load_encoder("default"), device="cuda", dtype="float16", slots=16)
     assert runner.graphs is not None
     patches = [
         make_patch(minilm, f"t{i}", seed=i, scale=0.05, subset=("all", "query-intermediate")[i % 2]) for i in range(6)
     ]
     patches.append(make_patch(minilm, "tags", seed=9, scale=0.05, kind="token-classification"))
-    gained = make_patch(minilm, "gains", seed=11, scale=0.05, gain_scale=0.05)
+    gained = make_patch(minilm, "scales", seed=11, scale=0.05, ia3_scale=0.05)
     texts = ["A plane is taking off.", "What is the capital of Chile?", "Great film!", *SENTENCES]
     plain = {
         p.patch_id: TaskModel.from_patch(copy.deepcopy(minilm.model), p).eval().to("cuda", DTYPES["float16"])
@@ -139,8 +135,8 @@ def test_cuda_graphs_serve_any_mix_exactly(minilm):
         generation = runner.graphs.generation
         got = runner.run(rows)
         assert runner.graphs is not None, "CUDA graphs were turned off (a capture failed: see the log)"
-        if trial == 1:  # the first bitfit-ln patch: gain banks, so the graphs read new tensors
-            assert runner.packed is not None and runner.packed.gains and runner.graphs.generation != generation
+        if trial == 1:  # the first bitfit-ia3 patch: scale banks, so the graphs read new tensors
+            assert runner.packed is not None and runner.packed.scales and runner.graphs.generation != generation
         for row, out in zip(rows, got, strict=True):
             ref = _reference(minilm.model, row.patch, row)
             ids = torch.tensor([row.input_ids], device="cuda")

@@ -78,7 +78,7 @@ def registry_url(tmp_path, tiny_encoder) -> str:
     url = f"disk://{tmp_path}/registry"
     reg = open_registry(url)
     reg.put(make_patch(tiny_encoder, "sent", seed=1))
-    reg.put(make_patch(tiny_encoder, "sts", kind="regression", seed=2, gain_scale=0.3))  # a bitfit-ln patch
+    reg.put(make_patch(tiny_encoder, "sts", kind="regression", seed=2, ia3_scale=0.3))  # a bitfit-ia3 patch
     reg.put(make_patch(tiny_encoder, "pos", kind="token-classification", seed=3))
     reg.close()
     return url

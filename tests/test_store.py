@@ -520,3 +520,50 @@ def test_patchserve_prune_dry_run_then_for_real(tmp_path, patches_abc, capsys):
         "manifest.json",
         "v00000004.safetensors",
     ]
+
+
+def test_a_retired_patch_type_is_named_with_what_to_do_and_prune_unservable_removes_it(
+    registry, patches_abc, tiny_encoder
+):
+    """A registry written by an earlier release may hold a bitfit-ln patch, a type this build no longer serves:
+    reading it is a clear error naming the task, version and patch id and saying what to do; prune's ``also``
+    deletes it (unservable() finds it), never the current version."""
+    from patches.errors import RetiredPatchTypeError
+    from tests.helpers import retired_patch
+
+    old = retired_patch(tiny_encoder)
+    registry.put(patches_abc[0])
+    registry.put(old)  # v2
+    registry.put(patches_abc[1])  # v3, current
+    with pytest.raises(RetiredPatchTypeError) as exc:
+        registry.get("sentiment", 2)
+    message = str(exc.value)
+    assert f"'sentiment' v2 ({old.patch_id})" in message and "'bitfit-ln'" in message
+    assert "retrain the task" in message and "roll back" in message and "prune --unservable" in message
+    assert [v.version for v in registry.unservable("sentiment")] == [2]
+    registry.retired_grace_s = 0.0
+    assert registry.prune("sentiment", None, also=[2], dry_run=True)[0].version == 2 and _kept(registry) == [1, 2, 3]
+    assert [v.version for v in registry.prune("sentiment", None, also=[2])] == [2]
+    assert _kept(registry) == [1, 3] and registry.unservable("sentiment") == []
+    registry.put(old)  # v4, current: never pruned
+    assert registry.prune("sentiment", None, also=[4]) == [] and _kept(registry) == [1, 3, 4]
+    with pytest.raises(RetiredPatchTypeError, match="'sentiment' v4"):
+        registry.get("sentiment")
+
+
+def test_patchserve_prune_unservable_deletes_retired_versions_and_names_a_current_one(
+    tmp_path, patches_abc, tiny_encoder, capsys
+):
+    from patches.cli import main
+    from tests.helpers import retired_patch
+
+    reg = DiskRegistry(tmp_path / "reg")
+    reg.put(retired_patch(tiny_encoder))  # v1
+    reg.put(patches_abc[0])  # v2
+    reg.put(retired_patch(tiny_encoder, "other"))  # other v1, current
+    args = ["prune", "--registry", f"disk://{tmp_path / 'reg'}", "--grace-s", "0", "--unservable"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "sentiment: deleted v1" in captured.out and "deleted 1 versions of 1 tasks" in captured.out
+    assert "other: v1 is current and this build cannot serve it; retrain the task or roll back" in captured.err
+    assert _kept(reg) == [2] and _kept(reg, "other") == [1]

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 
 import pytest
 import redis
 import torch
 
-import trainer.train as trainer_train
-from patches.bitfit import bias_parameters, ia3_sites, scale_parameters, target_names
+from patches.bitfit import bias_parameters, ia3_sites, target_names
 from patches.data import DataError, DataFile, load_dataset, load_splits, split_dev
 from patches.format import Patch
 from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
@@ -24,13 +22,9 @@ from trainer.train import (
     JointTrainer,
     PatchTraining,
     TrainingStopped,
-    collate,
-    contrastive_pairs,
-    distill_loss,
     evaluate,
     featurize,
     label_vectors,
-    progress_line,
     progress_logger,
     train_patch,
 )
@@ -477,9 +471,6 @@ def test_job_limits_count_the_automatic_restarts():
     with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\), over"):  # 100 rows: 3 automatic restarts
         limits.check(TrainConfig(task="t"), 100)
     limits.check(TrainConfig(task="t", restarts=1), 100)
-    # a contrastive stage's updates count too: 8 rounds x 100 rows x 2 pairs / 16 pairs an update
-    with pytest.raises(JobError, match=r"1900 updates \(3 run\(s\) x 600 \+ 100 contrastive\)"):
-        limits.check(TrainConfig(task="t", contrastive=8), 100)
 
 
 def test_a_tie_on_dev_keeps_the_later_checkpoint(tmp_path, tiny_encoder):
@@ -604,131 +595,6 @@ def test_a_tag_only_dev_and_test_carry_joins_the_tag_set_and_counts_as_an_error(
     assert ceiling - 0.1 < scores["token_accuracy"] <= ceiling
 
 
-def test_contrastive_pairs_pair_each_row_with_its_label_and_another():
-    labels = [0, 0, 0, 1, 1, 2]  # label 2 has one row
-    pairs = contrastive_pairs(labels, 2, random.Random(0))
-    assert len(pairs) == 2 * 2 * len(labels)  # each round: every row once with its label, once with another
-    anchors = [i for i, _, _ in pairs]
-    assert all(anchors.count(i) == 4 for i in range(len(labels)))
-    for i, j, target in pairs:
-        if target == 1.0:  # another row of its label, itself only where its label has no other row
-            assert labels[j] == labels[i] and (j != i or labels.count(labels[i]) == 1)
-        else:
-            assert target == 0.0 and labels[j] != labels[i]
-    assert pairs == contrastive_pairs(labels, 2, random.Random(0)) != contrastive_pairs(labels, 2, random.Random(1))
-    many = contrastive_pairs(labels, 50, random.Random(0))  # every other row of a label is drawn, never itself
-    assert {j for i, j, t in many if i == 0 and t == 1.0} == {1, 2}
-    assert {j for i, j, t in many if i == 1 and t == 1.0} == {0, 2}
-    assert {j for i, j, t in many if i == 0 and t == 0.0} == {3, 4, 5}
-    assert all(t == 1.0 for _, _, t in contrastive_pairs([3, 3, 3], 1, random.Random(0)))  # one label: no negatives
-
-
-def _pair_loss(encoder, feats, pairs, start):
-    """(the contrastive objective of ``pairs``, their mean cosine at target 1 minus at target 0) with the biases at
-    ``start``, without dropout."""
-    head = torch.nn.Linear(encoder.hidden_size, 1)
-    model = PackedTaskModel(encoder.model, [head], "classification", "mean", list(start), start=start, pooled=True)
-    model.eval()
-    rows = [feats[i] for i, _, _ in pairs] + [feats[j] for _, j, _ in pairs]
-    b = collate(rows, 0, "classification", torch.device("cpu"))
-    with torch.no_grad():
-        pooled = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
-    n = len(pairs)
-    cosine = torch.nn.functional.cosine_similarity(pooled[:n], pooled[n:])
-    targets = torch.tensor([t for _, _, t in pairs])
-    gap = float(cosine[targets == 1].mean() - cosine[targets == 0].mean())
-    return float(torch.nn.functional.mse_loss(cosine, targets)), gap
-
-
-def test_the_contrastive_stage_tunes_the_biases_every_run_then_starts_from(tmp_path, tiny_encoder):
-    train, dev = _data(tmp_path, "classification", 64, 16)
-    # no dropout, so the objective below is the stage's own; at the tiny model's scale 8 rounds at 3e-2 halve it
-    config = _config(
-        min_steps=10, contrastive=8, lr=3e-2, restarts=2, restarts_merge="average", checkpoint="last", dropout=0.0
-    )
-    seen: list[dict] = []
-    training = PatchTraining(tiny_encoder, train, dev, config, on_progress=seen.append, progress_every_s=0.0)
-    trainer = JointTrainer([training])
-    while training._group is None or training._group.stage == "contrastive":  # the stage, to its end
-        assert all(error is None for _, error in trainer.step())
-        if training._group.done:
-            break
-    runs = training.group()  # the runs, built on the stage's biases, before their first update
-    assert runs is not None and runs.stage is None and isinstance(runs.model, PackedTaskModel)
-    tuned = training.start
-    assert tuned is not None and list(tuned) == runs.model.trained
-    for run in range(2):
-        for name, value in zip(runs.model.trained, runs.model.run_biases_of(run), strict=True):
-            assert torch.equal(value.detach(), tuned[name]), name
-    while len(trainer):
-        assert all(error is None for _, error in trainer.step())
-    result = training.finish()
-    report = result.report
-    # 8 rounds x 64 rows x 2 pairs = 1,024 pairs, 16 an update
-    assert report["contrastive"] | {"loss": 0, "seconds": 0} == {
-        "rounds": 8,
-        "pairs": 1024,
-        "steps": 64,
-        "pairs_per_update": 16,
-        "loss": 0,
-        "seconds": 0,
-    }
-    assert report["selection"]["contrastive"] == 8
-    assert result.patch is not None and result.patch.meta.training["contrastive"] == 8
-    stage = [p for p in seen if p.get("stage") == "contrastive"]
-    assert stage[-1]["step"] == stage[-1]["total_steps"] == 64 and stage[0]["step"] == 1
-    assert "contrastive step 1/64" in progress_line(stage[0])
-    # the stage lowered its own objective (on its pairs, measured without dropout)
-    feats = featurize(tiny_encoder.tokenizer, train, train.labels, 128)
-    pairs = contrastive_pairs([int(f.label) for f in feats], 8, random.Random(config.seed))
-    base = {n: p.detach() for n, p in bias_parameters(tiny_encoder.model).items() if n in tuned}
-    (loss, gap), (loss_before, gap_before) = (_pair_loss(tiny_encoder, feats, pairs, b) for b in (tuned, base))
-    assert loss < 0.6 * loss_before and gap > gap_before + 0.05  # rows of one label closer than rows of two
-
-
-def test_the_contrastive_stage_is_opt_in_and_refused_where_it_cannot_run(tmp_path, tiny_encoder):
-    assert TrainConfig(task="t").contrastive == 0 and TrainConfig(task="t").contrastive_rounds("regression") == 0
-    assert TrainConfig(task="t", contrastive=3).contrastive_rounds("classification") == 3
-    with pytest.raises(JobError, match="needs classification, not regression; set contrastive to 0"):
-        TrainConfig(task="t", contrastive=3).contrastive_rounds("regression")
-    with pytest.raises(JobError, match="contrastive trains biases only"):
-        TrainConfig(task="t", full=True, contrastive=2)
-    with pytest.raises(JobError, match="needs classification"):
-        TrainConfig(task="t", kind="regression", contrastive=2)
-    train, dev = _data(tmp_path, "classification", 32, 8)
-    default = train_patch(tiny_encoder, train, dev, _config(min_steps=4))
-    assert "contrastive" not in default.report and default.report["selection"]["contrastive"] == 0
-    assert "contrastive" not in default.patch.meta.training
-    with pytest.raises(ValueError, match="trains on the packed model, which is off here"):
-        train_patch(tiny_encoder, train, dev, _config(contrastive=2), packed=False)
-    scores, scores_dev = _data(tmp_path, "regression", 32, 8)
-    with pytest.raises(JobError, match="needs classification"):
-        train_patch(tiny_encoder, scores, scores_dev, _config(contrastive=2))
-
-
-def test_a_stop_during_the_contrastive_stage_says_so(tmp_path, tiny_encoder):
-    train, dev = _data(tmp_path, "classification", 64, 16)
-    calls = iter(range(1000))
-    with pytest.raises(TrainingStopped, match=r"stopped at update 3 of 32 of the contrastive stage"):
-        train_patch(tiny_encoder, train, dev, _config(contrastive=4), should_stop=lambda: next(calls) >= 3)
-
-
-def test_cli_train_takes_contrastive_and_refuses_it_where_rows_have_no_label(tmp_path, tiny_bert_dir, capsys):
-    from patches.cli import main
-
-    rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
-    argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
-    argv += ["--restarts", "1", "--out", str(tmp_path / "sent.safetensors")]
-    assert main([*argv, "--train", str(rows), "--contrastive", "1"]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["selection"]["contrastive"] == 1
-    assert Patch.read(tmp_path / "sent.safetensors").meta.training["contrastive"] == 1
-    scores = write_jsonl(tmp_path / "scores.jsonl", synthetic_rows("regression", 40, seed=1))
-    assert main([*argv, "--train", str(scores), "--contrastive", "2"]) == 1
-    err = capsys.readouterr().err
-    assert "needs classification, not regression; set contrastive to 0" in err and "step " not in err
-
-
 def _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, labels) -> None:
     """Served by the engine in one batch, the result's patch answers every dev row as the trained model does."""
     from patches.encoder import load_encoder
@@ -744,27 +610,6 @@ def _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, labels) -> None
         with torch.no_grad():
             want = result.model(ids, torch.ones_like(ids), torch.tensor([f.token_type_ids]))[0]
         torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_scales_layernorm_trains_every_gain_too_and_the_patch_serves_as_trained(
-    tmp_path, tiny_bert_dir, tiny_encoder, packed
-):
-    train, dev = _data(tmp_path, "classification", 64, 16)
-    before = {n: p.detach().clone() for n, p in tiny_encoder.model.named_parameters()}
-    result = train_patch(tiny_encoder, train, dev, _config(scales="layernorm", min_steps=20), packed=packed)
-    patch = result.patch
-    assert patch is not None and patch.meta.patch_type == "bitfit-ln" and result.report["scales"] == "layernorm"
-    gains = set(scale_parameters(tiny_encoder.model))
-    assert set(patch.scales) == gains and set(patch.biases) == set(target_names(tiny_encoder.model, "all"))
-    assert all(not torch.equal(patch.scales[n], before[n]) for n in gains), "a gain did not move"
-    assert all(torch.equal(p, before[n]) for n, p in tiny_encoder.model.named_parameters()), "input encoder touched"
-    trained = dict(result.model.encoder.named_parameters())
-    assert all(torch.equal(patch.scales[n], trained[n].detach().cpu()) for n in gains)
-    assert result.report["trainable_params"] == patch.n_params
-    moved = result.report["gain_movement"]  # each LayerNorm's gain, under its LayerNorm's role
-    assert set(moved) == {"emb_ln", "ln1", "ln2"} and set(moved["ln1"]) == {"0", "1"} and moved["emb_ln"]["-"] > 0
-    _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, train.labels)
 
 
 def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_as_trained(
@@ -791,9 +636,21 @@ def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_
 def test_scales_are_checked_and_refused_with_full_fine_tuning():
     assert TrainConfig(task="t").scales == "none"
     with pytest.raises(JobError, match="drop scales or full"):
-        TrainConfig.from_dict({"task": "t", "scales": "layernorm", "full": True})
+        TrainConfig.from_dict({"task": "t", "scales": "ia3", "full": True})
     with pytest.raises(JobError, match="scales"):
         TrainConfig.from_dict({"task": "t", "scales": "lora"})
+
+
+def test_retired_options_are_dropped_when_off_and_refused_otherwise():
+    """A job an earlier release queued holds every option it knew: the contrastive stage and distillation (since
+    removed) at their "off" values train as before; asked for, they are refused with the reason."""
+    queued = {"task": "t", "contrastive": 0, "distill": 0.0, "distill_temperature": 2.0}
+    assert TrainConfig.from_dict(queued) == TrainConfig(task="t")
+    for retired in ({"contrastive": 8}, {"distill": 0.5}):
+        with pytest.raises(JobError, match=rf"{next(iter(retired))} was removed .*docs/experiments.md"):
+            TrainConfig.from_dict({"task": "t"} | retired)
+    with pytest.raises(JobError, match=r"scales 'layernorm' .* was removed .*use 'none' or 'ia3'"):
+        TrainConfig.from_dict({"task": "t", "scales": "layernorm"})
 
 
 def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_bert_dir, capsys):
@@ -802,111 +659,14 @@ def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_
     rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
     out = tmp_path / "sent.safetensors"
     argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
-    assert main([*argv, "--restarts", "1", "--train", str(rows), "--scales", "layernorm", "--out", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out)["scales"] == "layernorm"
+    assert main([*argv, "--restarts", "1", "--train", str(rows), "--scales", "ia3", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["scales"] == "ia3"
     assert main(["inspect", "--json", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["patch_type"] == "bitfit-ln" and info["n_scale_tensors"] == 5 and info["n_bias_tensors"] == 18
+    assert info["patch_type"] == "bitfit-ia3" and info["n_scale_tensors"] == 6 and info["n_bias_tensors"] == 18
     with pytest.raises(SystemExit):
         main([*argv, "--train", str(rows), "--scales", "lora", "--out", str(out)])
     assert "invalid choice: 'lora'" in capsys.readouterr().err
-
-
-def test_distill_loss_mixes_the_gold_labels_with_the_teachers_softened_outputs():
-    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 1.0, -2.0]])
-    labels = torch.tensor([0, 2])
-    hard = torch.nn.functional.cross_entropy(logits, labels)
-    # weight 0: the gold labels alone; a teacher that agrees with the student adds nothing at any weight
-    assert distill_loss("classification", logits, labels, -logits, 0.0, 2.0) == pytest.approx(float(hard))
-    assert distill_loss("classification", logits, labels, logits, 0.7, 2.0) == pytest.approx(0.3 * float(hard))
-    # weight 1: the KL divergence from the teacher's softened probabilities, times T^2
-    teacher = torch.tensor([[0.0, 3.0, 0.0], [1.0, 1.0, 1.0]])
-    p = torch.softmax(teacher / 2, -1)
-    kl = (p * (p.log() - torch.log_softmax(logits / 2, -1))).sum(-1).mean() * 4
-    assert distill_loss("classification", logits, labels, teacher, 1.0, 2.0) == pytest.approx(float(kl))
-    # regression: the squared error to the teacher's scores
-    scores, gold, taught = torch.tensor([[1.0], [2.0]]), torch.tensor([1.0, 0.0]), torch.tensor([[3.0], [2.0]])
-    assert distill_loss("regression", scores, gold, taught, 0.5, 2.0) == pytest.approx(0.5 * 2.0 + 0.5 * 2.0)
-
-
-def test_a_distilled_patch_trains_a_full_teacher_first_and_its_runs_follow_the_teachers_logits(tmp_path, tiny_encoder):
-    train, dev = _data(tmp_path, "classification", 64, 32)
-    seen: list[dict] = []
-    # the last checkpoint: the best on dev would be the one least harmed by the teacher below
-    config = _config(min_steps=300, distill=1.0, dropout=0.0, checkpoint="last")
-    training = PatchTraining(tiny_encoder, train, dev, config, test=dev, on_progress=seen.append, progress_every_s=0)
-    trainer = JointTrainer([training])
-    teacher = training.group()
-    assert teacher is not None and teacher.stage == "teacher" and isinstance(teacher.model, TaskModel)
-    assert teacher.config.full and teacher.config.lr == 5e-5 and len(teacher.runs) == 1  # full FT's defaults
-    while training.teacher is None:
-        assert all(error is None for _, error in trainer.step())
-        training.group()
-    logits = training.teacher_logits
-    assert logits is not None and logits.shape == (64, len(train.labels))
-    # the runs follow the teacher's logits, not the gold labels (weight 1): a teacher that says the opposite of
-    # every gold label makes a patch that scores far below one that learns the labels
-    gold = torch.tensor([train.labels.index(e.label) for e in train.examples])
-    training.teacher_logits = torch.nn.functional.one_hot(1 - gold, 2).float() * 8
-    while len(trainer):
-        assert all(error is None for _, error in trainer.step())
-    result = training.finish()
-    plain = train_patch(tiny_encoder, train, dev, _config(min_steps=300, dropout=0.0))
-    assert result.report["dev"]["accuracy"] < 0.3 < 0.8 < plain.report["dev"]["accuracy"]
-    shown = result.report["distill"]
-    assert (shown["weight"], shown["temperature"]) == (1.0, 2.0)
-    assert set(shown["teacher"]) >= {"dev", "test", "best_step", "steps", "seconds"}
-    assert result.patch is not None and result.patch.meta.training["distill"] == 1.0
-    assert result.patch.meta.patch_type == "bitfit"  # the same patch, served as any other
-    stages = [p.get("stage") for p in seen]
-    assert stages[0] == "teacher" and stages[-1] is None and "teacher step " in progress_line(seen[0])
-
-
-def test_distillation_trains_regression_and_is_refused_where_it_cannot_run(tmp_path, tiny_encoder):
-    scores, scores_dev = _data(tmp_path, "regression", 48, 16)
-    result = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=20, distill=0.5))
-    assert set(result.report["distill"]["teacher"]["dev"]) == {"spearman", "pearson", "mse"}
-    # the padded model (an encoder the packed one does not cover) trains its runs on the teacher's logits too
-    padded = train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=20, distill=0.5), packed=False)
-    assert padded.report["forward"] == "padded" and "teacher" in padded.report["distill"]
-    assert "distill" not in train_patch(tiny_encoder, scores, scores_dev, _config(min_steps=4)).report
-    with pytest.raises(JobError, match="drop it or full"):
-        TrainConfig(task="t", full=True, distill=0.5)
-    with pytest.raises(JobError, match="for classification or regression, not token-classification"):
-        TrainConfig(task="t", distill=0.5).check_task("token-classification", ["nn", "vb"])
-    with pytest.raises(JobError, match="distill"):
-        TrainConfig.from_dict({"task": "t", "distill": 1.5})
-    # the teacher: full fine-tuning's defaults, the job's seed and schedule bounds; its updates count in the limits
-    teacher = TrainConfig(task="t", seed=4, lr=1e-2, epochs=3, restarts=2, distill=0.5, max_steps=900).teacher_config()
-    assert (teacher.full, teacher.lr, teacher.epochs, teacher.restarts, teacher.seed) == (True, 5e-5, 5.0, 1, 4)
-    assert teacher.max_steps == 900 and teacher.distill == 0
-    with pytest.raises(JobError, match=r"2400 updates \(3 run\(s\) x 600 \+ 600 teacher\)"):
-        JobLimits(max_updates=2000).check(TrainConfig(task="t", distill=0.5), 100)
-
-
-def test_a_distilled_job_featurises_its_test_set_once(tmp_path, tiny_encoder, monkeypatch):
-    """The teacher and the kept patch are both scored on the test set; its rows are tokenised once a job."""
-    train, dev = _data(tmp_path, "classification", 32, 16)
-    (tmp_path / "test").mkdir()
-    _, test = _data(tmp_path / "test", "classification", 8, 16)  # (the folder keeps its file apart from dev's)
-    featurised: list[object] = []
-    real = trainer_train.featurize
-
-    def counting(tokenizer, ds, labels, max_len):
-        featurised.append(ds)
-        return real(tokenizer, ds, labels, max_len)
-
-    monkeypatch.setattr(trainer_train, "featurize", counting)
-    result = train_patch(tiny_encoder, train, dev, _config(min_steps=4, distill=0.5), test=test)
-    assert "test" in result.report["distill"]["teacher"] and "test" in result.report
-    assert sum(ds is test for ds in featurised) == 1 and sum(ds is train for ds in featurised) == 1
-
-
-def test_a_stop_while_the_teacher_trains_says_so(tmp_path, tiny_encoder):
-    train, dev = _data(tmp_path, "classification", 64, 16)
-    calls = iter(range(1000))
-    with pytest.raises(TrainingStopped, match=r"stopped at update 3 of 60 of the teacher stage"):
-        train_patch(tiny_encoder, train, dev, _config(distill=0.5), should_stop=lambda: next(calls) >= 3)
 
 
 def _name_vector(encoder, name: str) -> torch.Tensor:
@@ -987,7 +747,6 @@ def test_a_label_name_head_is_refused_where_no_sentence_is_classified(tmp_path, 
         rows, rows_dev = _data(tmp_path, kind, 32, 8)
         with pytest.raises(JobError, match=f"not a {kind} head; set head_init to 'random'"):
             train_patch(tiny_encoder, rows, rows_dev, _config(head_init="labels"))
-    assert TrainConfig(task="t", full=True, distill=0.0, head_init="labels").teacher_config().head_init == "random"
 
 
 def test_a_label_name_head_on_the_real_encoder_classifies_sentiment_before_any_training(minilm):
@@ -1017,21 +776,6 @@ def test_a_label_name_head_on_the_real_encoder_classifies_sentiment_before_any_t
         logits = runs.model.eval()(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
     lean = (logits[:, 1] - logits[:, 0]).view(-1, 2)
     assert (lean[:, 0] > lean[:, 1]).all(), lean
-
-
-def test_cli_train_takes_distill(tmp_path, tiny_bert_dir, capsys):
-    from patches.cli import main
-
-    rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
-    argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]
-    argv += ["--restarts", "1", "--train", str(rows)]
-    out = ["--out", str(tmp_path / "sent.safetensors")]
-    assert main([*argv, *out, "--distill", "0.5", "--distill-temperature", "3"]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert (summary["distill"]["weight"], summary["distill"]["temperature"]) == (0.5, 3.0)
-    assert Patch.read(tmp_path / "sent.safetensors").meta.training["distill"] == 0.5
-    assert main([*argv, "--distill", "0.5", "--full"]) == 1
-    assert "drop it or full" in capsys.readouterr().err
 
 
 def test_cli_train_takes_head_init(tmp_path, tiny_bert_dir, capsys):

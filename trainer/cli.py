@@ -47,10 +47,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--scales",
         default="none",
         choices=list(SCALES),
-        help="what trains besides the biases: none (a bitfit patch, the default), layernorm (every LayerNorm's "
-        "gain too: a bitfit-ln patch, 13 more vectors on MiniLM) or ia3 ((IA)^3 scales on every layer's keys, values "
-        "and feed-forward intermediate: a bitfit-ia3 patch, 18 more vectors on MiniLM, BERT encoders); both are "
-        "served at a bias's cost in the same mixed batches",
+        help="what trains besides the biases: none (a bitfit patch, the default) or ia3 ((IA)^3 scales on every "
+        "layer's keys, values and feed-forward intermediate: a bitfit-ia3 patch, BERT encoders), served at a bias's "
+        "cost in the same mixed batches",
     )
     p.add_argument("--epochs", type=float, help="passes over the training data (default 10 for BitFit, 5 with --full)")
     p.add_argument(
@@ -85,39 +84,12 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         f"the restarts are automatic, i.e. under {SMALL_DATA_ROWS} training rows, else best)",
     )
     p.add_argument(
-        "--contrastive",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="rounds of contrastive bias training before the runs (classification, BitFit): each round pairs every "
-        "training row with a row of its label and a row of another, and the biases learn to pull the first pair's "
-        "sentence vectors together and push the second's apart, as SetFit tunes its body (default 0: none; 8 "
-        "rounds at 256 rows scored level with none on Rotten Tomatoes and TREC, docs/few-sample.md)",
-    )
-    p.add_argument(
         "--head-init",
         choices=["random", "labels"],
         help="where the head starts: 'random', or 'labels' (classification): each class's row is the frozen "
         "encoder's sentence vector of its label's name, a zero-shot start where the names mean something "
         f"('positive', 'card_arrival') (default: labels for a classifier with fewer than {SMALL_DATA_ROWS} training "
         "rows, where it scored better on dev, docs/few-sample.md; else random)",
-    )
-    p.add_argument(
-        "--distill",
-        type=float,
-        default=0.0,
-        metavar="WEIGHT",
-        help="knowledge distillation (classification, regression): first fully fine-tune the same encoder on the "
-        "same rows as a teacher (full fine-tuning's defaults; the job also costs that run), then train the patch on "
-        "a mix of the gold labels and the teacher's outputs, WEIGHT (0-1) being the teacher's share of the loss "
-        "(default 0: no teacher)",
-    )
-    p.add_argument(
-        "--distill-temperature",
-        type=float,
-        default=2.0,
-        metavar="T",
-        help="with --distill on classification: soften the teacher's and the patch's probabilities by T (default 2)",
     )
     p.add_argument(
         "--checkpoint",
@@ -176,10 +148,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "restarts": args.restarts,
         "restarts_merge": args.restarts_merge,
-        "contrastive": args.contrastive,
         "head_init": args.head_init,
-        "distill": args.distill,
-        "distill_temperature": args.distill_temperature,
         "batch_size": args.batch_size,
         "max_seq_length": args.max_seq_length,
         "pooling": args.pooling,
@@ -239,8 +208,6 @@ def _train(args: argparse.Namespace) -> int:
         "test": report.get("test"),
         "selection": report["selection"],
     }
-    if "distill" in report:  # the teacher's scores beside the patch's
-        summary["distill"] = report["distill"]
     code = 0 if result.patch is None else _deliver(result.patch, out, registry, args, summary)  # the patch first
     if args.report:
         path = Path(args.report)

@@ -5,10 +5,7 @@ Follows the few-sample practices of Zhang et al. (ICLR 2021): bias-corrected Ada
 train long enough, dev evaluation with early stopping and best-checkpoint restore (a tie goes to the later
 checkpoint), restarts over seeds -- automatic on small data -- and an optional learning-rate search, both keeping
 the best dev score of the task's selection metric (``TrainConfig.selection_metric``); on small data the restarts are
-averaged into one patch. With ``contrastive`` rounds a contrastive stage comes first on classification data
-(``_ContrastiveStage``: SetFit's pair objective, biases only), and every run starts from its biases. With
-``distill`` a teacher trains first (the encoder fully fine-tuned, padded), and every run's loss follows its logits on
-the training rows as well as the gold labels (``distill_loss``).
+averaged into one patch.
 ``full=True`` fine-tunes every weight of the same encoder for comparison and returns a report only.
 
 BitFit on a BERT encoder trains on the serving engine's packed model (``patches/packed_model.py``): no padding
@@ -26,7 +23,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -42,15 +39,13 @@ from patches.bitfit import (
     extract_patch,
     ia3_roles,
     ia3_values,
-    patch_parameters,
-    scale_parameters,
     trained_names,
 )
 from patches.data import Dataset
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
-from patches.jobs import CONTRASTIVE_PAIRS_PER_UPDATE, SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
+from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel, pool
 from patches.packed import PackedBert, packed_unsupported
 from patches.packed_model import PackedTaskModel, Part, joint_forward
@@ -171,23 +166,6 @@ def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
 
 
-def distill_loss(
-    kind: str, logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor, weight: float, temperature: float
-) -> torch.Tensor:
-    """``loss_fn`` on the gold labels, mixed with ``weight`` of a loss that follows the teacher's outputs on the
-    same rows (``teacher``: its logits): for classification the KL divergence from the teacher's probabilities to
-    the student's, both softened by ``temperature`` and scaled by its square so the gradients keep their size
-    (Hinton et al., 2015); for regression the squared error to the teacher's scores."""
-    hard = loss_fn(kind, logits, labels)
-    if kind == "regression":
-        soft = nn.functional.mse_loss(logits.squeeze(-1), teacher.squeeze(-1))
-    else:
-        t = temperature
-        student, target = nn.functional.log_softmax(logits / t, -1), nn.functional.log_softmax(teacher / t, -1)
-        soft = nn.functional.kl_div(student, target, reduction="batchmean", log_target=True) * (t * t)
-    return (1 - weight) * hard + weight * soft
-
-
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode (dropout off) for the block; its previous mode is restored after, a stop included."""
@@ -224,23 +202,6 @@ def label_vectors(encoder: Encoder, labels: Sequence[Label], pooling: str, max_l
     """The rows of a label-name head (``head_init="labels"``): ``unit_vectors`` of the labels' names, each read as
     text, lower-cased, underscores as spaces."""
     return unit_vectors(encoder, [str(label).replace("_", " ").lower() for label in labels], pooling, max_len)
-
-
-@torch.no_grad()
-def predict_logits(
-    model: TaskModel, feats: list[Features], pad_id: int, kind: str, batch_size: int = 64, should_stop: StopFn = _never
-) -> torch.Tensor:
-    """The padded model's logits (eval mode) for each of ``feats``, in order, as one float32 tensor on its device;
-    raises TrainingStopped(0, 0) when ``should_stop`` says so between batches."""
-    device = next(model.parameters()).device
-    out = []
-    with eval_mode(model):
-        for i in range(0, len(feats), batch_size):
-            if should_stop():
-                raise TrainingStopped(0, 0)
-            b = collate(feats[i : i + batch_size], pad_id, kind, device)
-            out.append(model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float())
-    return torch.cat(out)
 
 
 def evaluate(
@@ -327,7 +288,7 @@ def trainable_parameters(model: TaskModel, config: TrainConfig) -> tuple[list[nn
     if config.full:
         encoder = list(model.encoder.parameters())
     else:
-        params = patch_parameters(model.encoder)
+        params = bias_parameters(model.encoder)
         encoder = [params[n] for n in trained_names(model.encoder, config.bias_subset, config.scales)]
     head = list(model.head.parameters())
     for p in [*encoder, *head]:
@@ -388,14 +349,10 @@ def packed_task_model(
     pooling: str,
     config: TrainConfig,
     packed: PackedBert | None = None,
-    *,
-    start: Mapping[str, torch.Tensor] | None = None,
-    pooled: bool = False,
 ) -> PackedTaskModel:
     """The packed model a BitFit job trains: ``heads`` (one per run) over ``base``, the config's biases trained
-    (from ``start``'s values where given, else the encoder's), at the config's dropout (None: the encoder's own
-    rates); ``packed``: a ``training_bert(base)`` shared with other jobs' models, so that their rows encode
-    together; ``pooled``: the model gives pooled vectors, not logits (the contrastive stage)."""
+    from the encoder's values, at the config's dropout (None: the encoder's own rates); ``packed``: a
+    ``training_bert(base)`` shared with other jobs' models, so that their rows encode together."""
     cfg: Any = getattr(base, "config", None)
     return PackedTaskModel(
         base,
@@ -406,8 +363,6 @@ def packed_task_model(
         hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
         attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
         packed=packed,
-        start=start,
-        pooled=pooled,
     )
 
 
@@ -419,8 +374,6 @@ class _Update:
     spans: list[tuple[int, int]]
     batch: dict[str, torch.Tensor]
     run_of_row: torch.Tensor | None  # packed: each row's run
-    targets: torch.Tensor | None = None  # the contrastive stage: each pair's target cosine
-    teacher: torch.Tensor | None = None  # distillation: the teacher's logits for each row
 
 
 def _part(model: TaskModel | PackedTaskModel, u: _Update) -> Part:
@@ -430,159 +383,17 @@ def _part(model: TaskModel | PackedTaskModel, u: _Update) -> Part:
     return model, b["input_ids"], b["attention_mask"], b["token_type_ids"], u.run_of_row
 
 
-def contrastive_pairs(labels: Sequence[int], rounds: int, rng: random.Random) -> list[tuple[int, int, float]]:
-    """SetFit's pairs for rows labelled ``labels``: each round pairs every row with another row of its label
-    (target cosine 1.0; itself where its label has no other row) and with a row of another label (0.0; a label
-    drawn first, then a row of it, so rare labels meet as often as common ones), all shuffled. (row, row, target)
-    triples; no negatives where every row has one label."""
-    rows_of: dict[int, list[int]] = {}
-    place = []  # each row's place among its label's rows
-    for i, label in enumerate(labels):
-        place.append(len(rows_of.setdefault(label, [])))
-        rows_of[label].append(i)
-    others = {label: [other for other in rows_of if other != label] for label in rows_of}
-    pairs: list[tuple[int, int, float]] = []
-    for _ in range(rounds):
-        for i, label in enumerate(labels):
-            same = rows_of[label]
-            if len(same) == 1:
-                j = i
-            else:  # any other row of the label, uniformly: draw among len - 1 places, skipping its own
-                k = rng.randrange(len(same) - 1)
-                j = same[k + (k >= place[i])]
-            pairs.append((i, j, 1.0))
-            if others[label]:
-                pairs.append((i, rng.choice(rows_of[rng.choice(others[label])]), 0.0))
-    rng.shuffle(pairs)
-    return pairs
-
-
-class _ContrastiveStage:
-    """A BitFit job's first stage on classification data, before its runs: the biases trained on SetFit's objective
-    (Tunstall et al., 2022) -- the cosine of two rows' pooled vectors learns 1 for rows of one label and 0 for rows
-    of two (``contrastive_pairs``), by mean squared error -- with no head, at the job's learning rate, warm-up and
-    decay, CONTRASTIVE_PAIRS_PER_UPDATE pairs (twice as many rows) an update. Every run then starts from the tuned
-    biases (``results()``), so the head learns on vectors that already group the labels. It runs on the packed
-    model, as one more run group would: its rows can share a ``joint_forward`` with other jobs' runs."""
-
-    stage = "contrastive"
-
-    def __init__(self, job: PatchTraining, rounds: int) -> None:
-        config = job.config
-        assert config.lr is not None, "pass config.resolved()"
-        self.job, self.config = job, config
-        self.device = device = resolve_device(config.device)
-        base, shared = job.packed_base(device)
-        unused = nn.Linear(job.encoder.hidden_size, 1)  # a packed model has a head; the stage reads pooled vectors
-        self.model = packed_task_model(base, [unused], job.kind, job.pooling, config, shared, pooled=True)
-        self.params = self.model.run_biases_of(0)
-        labels = [int(f.label) for f in job.train_f]  # type: ignore[arg-type]
-        self.pairs = contrastive_pairs(labels, rounds, random.Random(config.seed))
-        self.rounds = rounds
-        self.total = math.ceil(len(self.pairs) / CONTRASTIVE_PAIRS_PER_UPDATE)
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        warmup = int(config.warmup_ratio * self.total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(self.total, warmup))
-        self.bar = tqdm(
-            total=self.total,
-            desc=f"{config.task} contrastive",
-            disable=not sys.stderr.isatty(),
-            leave=False,
-            dynamic_ncols=True,
-        )
-        self.model.train()
-        self.step, self.running = 0, 0.0
-        self.t0 = self.last_report = time.perf_counter()
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.total
-
-    def next_update(self) -> _Update:
-        """The next pairs: their first rows, then their second rows, and the pairs' target cosines."""
-        chunk = self.pairs[self.step * CONTRASTIVE_PAIRS_PER_UPDATE : (self.step + 1) * CONTRASTIVE_PAIRS_PER_UPDATE]
-        feats = self.job.train_f
-        rows = [feats[i] for i, _, _ in chunk] + [feats[j] for _, j, _ in chunk]
-        batch = collate(rows, self.job.pad_id, self.job.kind, self.device)
-        targets = torch.tensor([t for _, _, t in chunk], device=self.device)
-        run_of_row = torch.zeros(len(rows), dtype=torch.long)
-        return _Update([], [(0, len(rows))], batch, run_of_row, targets)
-
-    def part(self, u: _Update) -> Part:
-        return _part(self.model, u)
-
-    def forward(self, u: _Update) -> torch.Tensor:
-        raise AssertionError("the contrastive stage trains packed only")
-
-    def losses(self, pooled: torch.Tensor, u: _Update) -> list[torch.Tensor]:
-        """The pairs' loss: the mean squared error of their vectors' cosines against the targets."""
-        assert u.targets is not None
-        self.optimizer.zero_grad(set_to_none=True)
-        n = u.targets.shape[0]
-        cosine = nn.functional.cosine_similarity(pooled[:n].float(), pooled[n:].float())
-        return [nn.functional.mse_loss(cosine, u.targets)]
-
-    def apply(self, u: _Update, losses: list[torch.Tensor]) -> None:
-        """After the backward: step the optimizer and report progress (``"stage": "contrastive"``)."""
-        config, job = self.config, self.job
-        torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        value = losses[0].item()
-        self.running = 0.9 * self.running + 0.1 * value if self.step else value
-        self.step += 1
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{self.running:.4f}")
-        now = time.perf_counter()
-        if job.on_progress is not None and (now - self.last_report >= job.progress_every_s or self.done):
-            self.last_report = now
-            job.on_progress(
-                {
-                    "stage": "contrastive",
-                    "step": self.step,
-                    "total_steps": self.total,
-                    "loss": self.running,
-                    "dev": None,
-                    "seed": config.seed,
-                    "lr": config.lr,
-                    "runs": 1,
-                    "active_runs": 1,
-                }
-            )
-
-    def results(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(the tuned biases by name, what the report shows of the stage)."""
-        self.bar.close()
-        tuned = {name: p.detach().clone() for name, p in zip(self.model.trained, self.params, strict=True)}
-        shown = {
-            "rounds": self.rounds,
-            "pairs": len(self.pairs),
-            "steps": self.step,
-            "pairs_per_update": CONTRASTIVE_PAIRS_PER_UPDATE,
-            "loss": self.running,
-            "seconds": time.perf_counter() - self.t0,
-        }
-        return tuned, shown
-
-
 class _RunGroup:
     """Runs ``specs`` ((learning rate, seed) each) of one job that train together, an update at a time: packed,
     every run's rows in one batch; or padded, one run (a TaskModel on a copy of the encoder). Each run keeps the
     best dev checkpoint -- or with ``checkpoint="last"`` the final one -- which ``results()`` puts in the model.
 
-    The job's config is resolved (``TrainConfig.resolved()``): epochs and patience are set. ``config`` (resolved
-    too) trains another stage of the job instead, named by ``stage``: a distillation's teacher."""
+    The job's config is resolved (``TrainConfig.resolved()``): epochs and patience are set."""
 
-    def __init__(
-        self,
-        job: PatchTraining,
-        specs: Sequence[tuple[float, int]],
-        packed: bool,
-        config: TrainConfig | None = None,
-        stage: str | None = None,
-    ) -> None:
-        config = config or job.config
-        self.stage = stage  # None: the runs themselves (TrainingStopped and progress name any other stage)
+    stage: str | None = None  # the runs themselves (TrainingStopped and progress name any other stage)
+
+    def __init__(self, job: PatchTraining, specs: Sequence[tuple[float, int]], packed: bool) -> None:
+        config = job.config
         assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
         if not packed and len(specs) != 1:
             raise ValueError("the padded model trains one run at a time")
@@ -603,10 +414,9 @@ class _RunGroup:
         groups: list[tuple[list[nn.Parameter], list[nn.Parameter]]]
         if packed:
             base, shared = job.packed_base(device)
-            self.model = packed_task_model(base, heads, kind, job.pooling, config, shared, start=job.start)
+            self.model = packed_task_model(base, heads, kind, job.pooling, config, shared)
             groups = [self.model.run_parameters(r) for r in range(len(specs))]
         else:
-            assert job.start is None, "the contrastive stage trains packed only"
             self.model = TaskModel(copy.deepcopy(encoder.model), heads[0], kind, job.pooling).to(device)
             if config.dropout is not None:
                 _set_dropout(self.model.encoder, config.dropout)
@@ -634,7 +444,7 @@ class _RunGroup:
         self.pad_id = job.pad_id
         desc = f"{config.task} {len(specs)} runs"
         if len(specs) == 1:
-            desc = f"{config.task} {stage + ' ' if stage else ''}seed={specs[0][1]} lr={specs[0][0]:g}"
+            desc = f"{config.task} seed={specs[0][1]} lr={specs[0][0]:g}"
         self.bar = tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
         self.model.train()
         self.step = 0
@@ -660,12 +470,7 @@ class _RunGroup:
         run_of_row = None
         if isinstance(self.model, PackedTaskModel):
             run_of_row = torch.tensor([r.index for r, (a, b) in zip(active, spans, strict=True) for _ in range(b - a)])
-        teacher = self.job.teacher_logits
-        if teacher is not None and self.stage is None:
-            teacher = teacher[torch.tensor(rows, device=teacher.device)]
-        else:
-            teacher = None
-        return _Update(active, spans, batch, run_of_row, teacher=teacher)
+        return _Update(active, spans, batch, run_of_row)
 
     def part(self, u: _Update) -> Part:
         """The update's rows as a ``joint_forward`` part (packed groups only)."""
@@ -681,11 +486,8 @@ class _RunGroup:
         """Each active run's loss on its own rows; clears the runs' gradients for the backward to come."""
         for r in u.active:
             r.optimizer.zero_grad(set_to_none=True)
-        kind, labels, teacher = self.job.kind, u.batch["labels"], u.teacher
-        if teacher is None:
-            return [loss_fn(kind, logits[a:b], labels[a:b]) for a, b in u.spans]
-        weight, temperature = self.config.distill, self.config.distill_temperature
-        return [distill_loss(kind, logits[a:b], labels[a:b], teacher[a:b], weight, temperature) for a, b in u.spans]
+        kind, labels = self.job.kind, u.batch["labels"]
+        return [loss_fn(kind, logits[a:b], labels[a:b]) for a, b in u.spans]
 
     def apply(self, u: _Update, losses: list[torch.Tensor]) -> None:
         """After the backward: step each run's optimizer, evaluate on dev when due (early stopping: a run whose
@@ -783,19 +585,16 @@ class _RunGroup:
         return results
 
 
-def bias_movement(trained: nn.Module, base: nn.Module, *, gains: bool = False) -> dict[str, dict[str, float]]:
-    """mean |b_trained - b_base| per bias role and layer (the BitFit paper's Figure 1); ``gains``: the same for the
-    LayerNorm gains (a bitfit-ln patch's), each under its LayerNorm's role (ln1, ln2, emb_ln)."""
+def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, float]]:
+    """mean |b_trained - b_base| per bias role and layer (the BitFit paper's Figure 1)."""
     try:
         roles = bias_roles(base)
     except EncoderError:
         return {}
-    params = scale_parameters if gains else bias_parameters
-    now, then = params(trained), params(base)
+    now, then = bias_parameters(trained), bias_parameters(base)
     out: dict[str, dict[str, float]] = {}
     for name, role in roles.items():
-        name = name.removesuffix(".bias") + ".weight" if gains else name
-        if name in now:  # (every bias; the gains of the LayerNorms only)
+        if name in now:
             delta = (now[name].detach().cpu().float() - then[name].detach().cpu().float()).abs().mean()
             out.setdefault(role.role, {})["-" if role.layer is None else str(role.layer)] = float(delta)
     return out
@@ -880,35 +679,19 @@ class PatchTraining:
         if config.scales == "ia3" and not self.packed:
             why = unsupported or "packed=False"
             raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
-        config.check_distill(kind)
         config.check_head_init(kind)
         head_init, self.head_init_why = config.head_init_why(kind, len(train))
         self._label_vectors: torch.Tensor | None = None
-        rounds = config.contrastive_rounds(kind)
-        if rounds and not self.packed:
-            why = unsupported or "packed=False"
-            raise ValueError(
-                f"the contrastive stage trains on the packed model, which is off here ({why}); set contrastive to 0"
-            )
         self.config = config = replace(
             config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge, head_init=head_init
         )
         self.checkpoint: str = checkpoint
         assert config.lr is not None
-        # a distillation's teacher trains first (padded, every weight), and its logits on the training rows are
-        # what the runs follow; then the contrastive stage, where there is one: its tuned biases are where every
-        # run starts
-        self._teacher_config = config.teacher_config() if config.distill else None
-        self.teacher_logits: torch.Tensor | None = None
-        self.teacher: dict[str, Any] | None = None  # what the report shows of the teacher
-        self._stage_rounds = rounds
-        self.start: dict[str, torch.Tensor] | None = None
-        self.contrastive: dict[str, Any] | None = None  # what the report shows of the stage
         self.packed_bert = packed_bert if self.packed else None
         self.lrs = config.lr_search or [config.lr]
         specs = [(lr, config.seed + r) for lr in self.lrs for r in range(restarts)]
         self._queued = [specs] if self.packed else [[spec] for spec in specs]  # run groups still to train
-        self._group: _RunGroup | _ContrastiveStage | None = None
+        self._group: _RunGroup | None = None
         self._moved: nn.Module | None = None  # the encoder copied to the training device (packed_base)
         self.on_progress, self.progress_every_s, self.should_stop = on_progress, progress_every_s, should_stop
         self._models: list[TaskModel | PackedTaskModel] = []  # the model of each run
@@ -917,8 +700,8 @@ class PatchTraining:
 
     def packed_base(self, device: torch.device) -> tuple[nn.Module, PackedBert | None]:
         """The encoder the job's packed models read on ``device``, and the ``training_bert`` they share with other
-        jobs: the job's own encoder, or one copy of it moved to ``device`` (made once, for the contrastive stage
-        and the runs alike; the copy shares no training_bert)."""
+        jobs: the job's own encoder, or one copy of it moved to ``device`` (made once for every run group; the copy
+        shares no training_bert)."""
         base = self.encoder.model
         if next(base.parameters()).device == device:
             return base, self.packed_bert
@@ -933,56 +716,22 @@ class PatchTraining:
             self._label_vectors = label_vectors(self.encoder, self.labels, self.pooling, self.max_len)
         return self._label_vectors
 
-    def group(self) -> _RunGroup | _ContrastiveStage | None:
-        """The stage that trains now (None: every run has trained): the contrastive stage where there is one, then
-        the run groups. Padded training trains its runs one after another, each its own group."""
+    def group(self) -> _RunGroup | None:
+        """The run group that trains now (None: every run has trained). Padded training trains its runs one after
+        another, each its own group."""
         while self._group is None or self._group.done:
-            if isinstance(self._group, _ContrastiveStage):
-                self.start, self.contrastive = self._group.results()
-                self._group = None
-            elif self._group is not None and self._group.stage == "teacher":
-                self._take_teacher(self._group)
-                self._group = None
-            elif self._group is not None:
+            if self._group is not None:
                 results = self._group.results()
                 self._models += [self._group.model] * len(results)
                 self._runs += results
                 self._group = None
-            if self._teacher_config is not None:
-                tc, self._teacher_config = self._teacher_config, None
-                assert tc.lr is not None
-                self._group = _RunGroup(self, [(tc.lr, tc.seed)], packed=False, config=tc, stage="teacher")
-                continue
-            if self._stage_rounds:  # (every row makes a pair a round: the stage has updates)
-                self._group, self._stage_rounds = _ContrastiveStage(self, self._stage_rounds), 0
-                continue
             if not self._queued:
                 return None
             self._group = _RunGroup(self, self._queued.pop(0), self.packed)
         return self._group
 
-    def _take_teacher(self, group: _RunGroup) -> None:
-        """Keep what the runs need of a trained teacher (its logits on the training rows) and what the report
-        shows of it (its dev and test scores); the teacher itself is dropped."""
-        (result,) = group.results()  # its kept checkpoint restored
-        model = group.model
-        assert isinstance(model, TaskModel)
-        try:
-            stop = self.should_stop
-            self.teacher_logits = predict_logits(model, self.train_f, self.pad_id, self.kind, should_stop=stop)
-            shown = {k: result[k] for k in ("lr", "best_step", "steps", "planned_steps")}
-            shown["dev"] = result["best_dev"]
-            test_f = self._scored_features().get("test")
-            if test_f is not None:
-                shown["test"] = evaluate(model, test_f, self.pad_id, self.labels, should_stop=self.should_stop)
-        except TrainingStopped:
-            raise TrainingStopped(result["steps"], result["planned_steps"], "teacher") from None
-        shown["seconds"] = time.perf_counter() - group.t0
-        self.teacher = shown
-
     def _scored_features(self) -> dict[str, list[Features]]:
-        """The test and held-out sets (those given) featurised, once a job: a distillation's teacher scores the
-        test set too."""
+        """The test and held-out sets (those given) featurised, once a job."""
         for name, ds in (("test", self.test), ("heldout", self.heldout)):
             if ds is not None and name not in self._scored:
                 self._scored[name] = featurize(self.encoder.tokenizer, ds, self.labels, self.max_len)
@@ -1045,7 +794,6 @@ class PatchTraining:
                 "restarts": config.restarts,
                 "restarts_why": self.restarts_why,
                 "restarts_merge": config.restarts_merge,
-                "contrastive": config.contrastive,
                 "head_init": config.head_init,
                 "head_init_why": self.head_init_why,
                 "checkpoint": self.checkpoint,
@@ -1061,23 +809,13 @@ class PatchTraining:
         }
         if merged is not None:
             report["merged"] = merged
-        if self.contrastive is not None:
-            report["contrastive"] = self.contrastive
-        if self.teacher is not None:
-            report["distill"] = {
-                "weight": config.distill,
-                "temperature": config.distill_temperature,
-                "teacher": self.teacher,
-            }
         source = merged[best_index] if merged is not None else shown_runs[best_index]
         report.update({name: source[name] for name in scored})
         report["bias_movement"] = bias_movement(model.encoder, encoder.model)
-        if not config.full and config.scales == "layernorm":
-            report["gain_movement"] = bias_movement(model.encoder, encoder.model, gains=True)
         if not config.full and config.scales == "ia3":
             report["scale_movement"] = scale_movement(model.encoder)
         del models, chosen  # the other runs' models
-        self._models, self._moved, self.teacher_logits, self._scored = [], None, None, {}
+        self._models, self._moved, self._scored = [], None, {}
         if config.full:
             return TrainResult(None, report, model)
         metrics = {f"dev_{k}": v for k, v in best["best_dev"].items()}
@@ -1098,9 +836,7 @@ class PatchTraining:
             }
             | {"restarts": config.restarts}
             | ({"restarts_merge": "average"} if merged is not None else {})
-            | ({"contrastive": config.contrastive} if self.contrastive is not None else {})
-            | ({"head_init": "labels"} if config.head_init == "labels" else {})
-            | ({"distill": config.distill} if self.teacher is not None else {}),
+            | ({"head_init": "labels"} if config.head_init == "labels" else {}),
         )
         patch = extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
         return TrainResult(patch, report, model)
@@ -1163,7 +899,7 @@ class JointTrainer:
         """One update of every job; returns the jobs that left, each with None (every run trained: call
         ``finish()``) or what ended it (TrainingStopped when its ``should_stop`` said so, or the error)."""
         ended: dict[int, tuple[PatchTraining, Exception | None]] = {}
-        live: list[tuple[int, _RunGroup | _ContrastiveStage, _Update]] = []
+        live: list[tuple[int, _RunGroup, _Update]] = []
         for i, t in enumerate(self.trainings):
             try:
                 group = t.group()
@@ -1175,7 +911,7 @@ class JointTrainer:
                 live.append((i, group, group.next_update()))
             except Exception as exc:
                 ended[i] = (t, exc)
-        together: dict[Any, list[tuple[int, _RunGroup | _ContrastiveStage, _Update]]] = {}
+        together: dict[Any, list[tuple[int, _RunGroup, _Update]]] = {}
         for item in live:
             model = item[1].model
             key = model.joint_key() if isinstance(model, PackedTaskModel) else ("alone", item[0])

@@ -11,13 +11,20 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from patches.errors import PatchServeError, RegistryError, TaskNotFoundError
+from patches.errors import (
+    PatchError,
+    PatchServeError,
+    RegistryError,
+    RetiredPatchTypeError,
+    TaskNotFoundError,
+    VersionNotFoundError,
+)
 from patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
 
 log = logging.getLogger(__name__)
@@ -87,16 +94,23 @@ def parse_time(iso: str) -> float:
 
 
 def versions_to_prune(
-    versions: list[VersionInfo], current: int, retired: dict[int, float], keep: int, now: float, grace_s: float
+    versions: list[VersionInfo],
+    current: int,
+    retired: dict[int, float],
+    keep: int | None,
+    now: float,
+    grace_s: float,
+    also: Collection[int] = (),
 ) -> list[VersionInfo]:
-    """Which of a task's ``versions`` retention deletes, keeping the newest ``keep``: never the current one, nor one
-    registered or made current within ``grace_s`` seconds of ``now`` (``retired``: version -> when it stopped being
-    current), since a replica may still be serving it."""
-    newest = {v.version for v in sorted(versions, key=lambda v: v.version)[-keep:]} if keep > 0 else set()
+    """Which of a task's ``versions`` retention deletes: those beyond the newest ``keep`` (None: none of them) and
+    those in ``also``; never the current one, nor one registered or made current within ``grace_s`` seconds of
+    ``now`` (``retired``: version -> when it stopped being current), since a replica may still be serving it."""
+    ordered = sorted(versions, key=lambda v: v.version)
+    newest = {v.version for v in ordered} if keep is None else {v.version for v in ordered[-keep:]} if keep else set()
     return [
         v
-        for v in sorted(versions, key=lambda v: v.version)
-        if v.version not in newest
+        for v in ordered
+        if (v.version not in newest or v.version in also)
         and v.version != current
         and parse_time(v.registered_at) < now - grace_s
         and retired.get(v.version, 0.0) < now - grace_s
@@ -133,10 +147,12 @@ class Registry(ABC):
         """Make an existing version current (rollback / roll forward)."""
 
     @abstractmethod
-    def prune(self, task: str, keep: int, *, dry_run: bool = False) -> list[VersionInfo]:
-        """Delete ``task``'s versions beyond the newest ``keep`` (``versions_to_prune`` says which are kept whatever
-        their age); returns what was deleted, or with ``dry_run`` what would be. The current version never changes,
-        so watchers see nothing."""
+    def prune(
+        self, task: str, keep: int | None, *, dry_run: bool = False, also: Collection[int] = ()
+    ) -> list[VersionInfo]:
+        """Delete ``task``'s versions beyond the newest ``keep`` (None: none for their age) and the versions in
+        ``also`` (``versions_to_prune`` says which are kept whatever their age); returns what was deleted, or with
+        ``dry_run`` what would be. The current version never changes, so watchers see nothing."""
 
     # --- reads ---------------------------------------------------------------------------------------------
     @abstractmethod
@@ -188,22 +204,27 @@ class Registry(ABC):
         if gone:
             log.info("retention: deleted %s v%s", task, ",".join(str(v.version) for v in gone))
 
-    def prune_all(self, keep: int, *, dry_run: bool = False) -> dict[str, list[VersionInfo]]:
-        """``prune`` every task; the tasks that lost (or would lose) versions, with those versions."""
-        out = {}
-        for task in self.tasks():
+    def unservable(self, task: str) -> list[VersionInfo]:
+        """``task``'s versions whose patch type this build no longer serves (``RETIRED_PATCH_TYPES``), oldest
+        first: what ``patchserve prune --unservable`` deletes."""
+        found = []
+        for info in self.versions(task):
             try:
-                gone = self.prune(task, keep, dry_run=dry_run)
-            except TaskNotFoundError:
-                continue  # deleted while we listed
-            if gone:
-                out[task] = gone
-        return out
+                self.get(task, info.version)
+            except RetiredPatchTypeError:
+                found.append(info)
+            except (PatchError, VersionNotFoundError):  # damaged (another matter), or pruned meanwhile
+                continue
+        return found
 
     def get(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
-        """The current (or given) version, parsed and checked against its recorded content hash."""
+        """The current (or given) version, parsed and checked against its recorded content hash. A stored patch this
+        build cannot use (a retired patch type, say) is a PatchError of the same kind that names the version."""
         info, data = self.get_bytes(task, version)
-        patch = Patch.from_bytes(data, max_bytes=max(self.max_patch_bytes, len(data)))
+        try:
+            patch = Patch.from_bytes(data, max_bytes=max(self.max_patch_bytes, len(data)))
+        except PatchError as exc:
+            raise type(exc)(f"{task!r} v{info.version} ({info.patch_id}) in {self.url}: {exc}") from exc
         if patch.patch_id != info.patch_id:
             raise RegistryError(
                 f"stored patch {task!r} v{info.version} does not match its recorded id {info.patch_id} "

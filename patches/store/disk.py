@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,12 +236,15 @@ class DiskRegistry(Registry):
             self._write_manifest(task, manifest)
         return self._info(manifest, version)
 
-    def prune(self, task: str, keep: int, *, dry_run: bool = False) -> list[VersionInfo]:
+    def prune(
+        self, task: str, keep: int | None, *, dry_run: bool = False, also: Collection[int] = ()
+    ) -> list[VersionInfo]:
         with self._lock(f"{task}.lock"):  # the current version does not change: no generation bump
             manifest = self._read_manifest(task)
             retired = {int(v): t for v, t in manifest.get("retired", {}).items()}
             infos = [self._info(manifest, int(v)) for v in manifest["versions"]]
-            gone = versions_to_prune(infos, int(manifest["current"]), retired, keep, time.time(), self.retired_grace_s)
+            current = int(manifest["current"])
+            gone = versions_to_prune(infos, current, retired, keep, time.time(), self.retired_grace_s, also)
             if dry_run or not gone:
                 return gone
             for info in gone:  # the manifest first: a crash before the files go leaves files it no longer names,

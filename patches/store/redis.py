@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
@@ -407,7 +407,9 @@ class RedisRegistry(Registry):
 
         return self._transaction(tx, k.task(task), k.versions(task))
 
-    def prune(self, task: str, keep: int, *, dry_run: bool = False) -> list[VersionInfo]:
+    def prune(
+        self, task: str, keep: int | None, *, dry_run: bool = False, also: Collection[int] = ()
+    ) -> list[VersionInfo]:
         k = self.keys
         validate_task_name(task)
 
@@ -417,7 +419,7 @@ class RedisRegistry(Registry):
                 raise TaskNotFoundError(task)
             infos = [VersionInfo.from_dict(json.loads(raw)) for raw in pipe.hvals(k.versions(task))]
             retired = {int(v): float(t) for v, t in pipe.hgetall(k.retired(task)).items()}
-            gone = versions_to_prune(infos, int(current), retired, keep, time.time(), self.retired_grace_s)
+            gone = versions_to_prune(infos, int(current), retired, keep, time.time(), self.retired_grace_s, also)
             if dry_run or not gone:
                 return gone
             pipe.multi()  # the current version does not change: no generation bump, nothing for watchers

@@ -3,8 +3,8 @@
 The task mix is data (each token's slot index, each row's slot and pooling mode live in the static buffer), so one
 graph serves any mix of tasks, and a batch costs one host-to-device copy (from pinned memory, not blocking), one
 graph replay and one device-to-host copy, instead of hundreds of kernel launches. A graph is captured the first
-time its bucket is used; growing the head bank (a task with more labels than any before) or adding the LayerNorm
-gain banks (the first ``bitfit-ln`` patch) drops them all.
+time its bucket is used; growing the head bank (a task with more labels than any before) or adding the (IA)^3
+scale banks (the first ``bitfit-ia3`` patch) drops them all.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class GraphSet:
 
     @property
     def generation(self) -> tuple[int, int]:
-        """Changes when the tensors the graphs read are replaced: the head bank grew, or gain banks were added."""
+        """Changes when the tensors the graphs read are replaced: the head bank grew, or scale banks were added."""
         return self.heads.generation, self.packed.generation
 
     def bucket(self, n_tokens: int, n_rows: int) -> int | None:

@@ -70,7 +70,7 @@ class Info(msgspec.Struct, tag="info", array_like=True, frozen=True):
     device: str
     dtype: str
     slots: int
-    scale_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the LayerNorm gains
+    scale_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the (IA)^3 sites
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True, frozen=True):

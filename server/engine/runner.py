@@ -36,7 +36,7 @@ from patches.packed import (
 from server.engine.graphs import GraphSet
 from server.engine.protocol import BASE_KEY
 from server.engine.slots import SlotManager
-from server.engine.slotted import SlottedLayerNorm, SlottedLinear, install_slots, write_slot
+from server.engine.slotted import SlottedLinear, install_slots, write_slot
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +185,9 @@ class Runner:
         if self.packed is not None:
             heads = self.head_bank.weight[0].nbytes + self.head_bank.bias[0].nbytes
             return self.packed.bank_bytes_per_slot + heads
-        gains = [m.gain for m in self.model.modules() if isinstance(m, SlottedLayerNorm) and m.gain is not None]
         scales = [m.scale for m in self.model.modules() if isinstance(m, SlottedLinear) and m.scale is not None]
         banks = [site.bank for site in self.sites.values() if site.bank is not None]
-        return sum(bank[0].nbytes for bank in [*banks, *gains, *scales])
+        return sum(bank[0].nbytes for bank in [*banks, *scales])
 
     def _drop_graphs(self, exc: Exception) -> None:
         log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)

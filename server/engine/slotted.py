@@ -77,32 +77,19 @@ class SlottedLinear(nn.Module):
 
 
 class SlottedLayerNorm(nn.Module):
-    """LayerNorm without its bias, then the row's task bias added by gather. Once a patch with LayerNorm gains
-    (``bitfit-ln``) is loaded, the gain too is the row's own: ``gain`` [S, D], multiplied in by gather."""
+    """LayerNorm without its bias, then the row's task bias added by gather."""
 
-    def __init__(self, ln: nn.LayerNorm, index: SlotIndex, bank: torch.Tensor, gain_name: str) -> None:
+    def __init__(self, ln: nn.LayerNorm, index: SlotIndex, bank: torch.Tensor) -> None:
         super().__init__()
         self.weight = ln.weight
         self.normalized_shape = ln.normalized_shape
         self.eps = ln.eps
         self.index = index
         self.bank = bank  # [S, D]
-        self.gain_name = gain_name  # the gain's parameter name, as patches name it
-        self.gain: torch.Tensor | None = None  # [S, D] once a patch with gains is loaded
-
-    def add_gain_bank(self) -> None:
-        """Every slot gets its own gain, the shared one to begin with (the slots loaded so far keep it)."""
-        if self.gain is None:
-            self.gain = self.weight.detach().unsqueeze(0).repeat(self.bank.shape[0], 1).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gain is None:
-            y = F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
-            return y + self.index.gather(self.bank, y)
-        # normalised, scaled and shifted in float32 and rounded once, as a fused LayerNorm does (in half precision,
-        # rounding after each step moves every row further from float32 than the plain model; PackedBert likewise)
-        y = F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps) * self.index.gather(self.gain, x)
-        return (y + self.index.gather(self.bank, x)).to(x.dtype)
+        y = F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
+        return y + self.index.gather(self.bank, y)
 
 
 @dataclass
@@ -155,7 +142,7 @@ def install_slots(
         new: nn.Module
         if isinstance(mod, nn.LayerNorm):
             assert bank is not None
-            new = SlottedLayerNorm(mod, index, bank, f"{mod_name}.weight")
+            new = SlottedLayerNorm(mod, index, bank)
         else:
             new = SlottedLinear(mod, index, bank)
         parent, leaf = _parent(model, mod_name)
@@ -201,23 +188,15 @@ def write_slot(
     biases: Mapping[str, torch.Tensor],
     scales: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Load a task's biases (and LayerNorm gains or (IA)^3 scales) into ``slot`` of every bank (base values where it
-    has none)."""
+    """Load a task's biases (and (IA)^3 scales) into ``slot`` of every bank (base values where it has none)."""
     modules = [s.module for s in sites.values()]
-    norms = {m.gain_name: m for m in modules if isinstance(m, SlottedLayerNorm)}
     linears = {m.scale_name: m for m in modules if isinstance(m, SlottedLinear) and m.scale_name is not None}
     scales = scales or {}
-    unknown = sorted(set(scales) - set(norms) - set(linears))
+    unknown = sorted(set(scales) - set(linears))
     if unknown:
-        raise PatchKeysError(f"this engine has no LayerNorm with a bias or (IA)^3 site for the scales {unknown[:5]}")
-    has_gains, has_ia3 = not set(scales).isdisjoint(norms), not set(scales).isdisjoint(linears)
+        raise PatchKeysError(f"this engine has no (IA)^3 site for the scales {unknown[:5]}")
+    has_ia3 = bool(scales)
     n_slots = next(s.bank for s in sites.values() if s.bank is not None).shape[0] if has_ia3 else 0
-    for norm in norms.values():
-        if has_gains:
-            norm.add_gain_bank()
-        if norm.gain is not None:
-            value = scales.get(norm.gain_name)
-            norm.gain[slot].copy_(norm.weight if value is None else value.to(norm.gain.device, norm.gain.dtype))
     for name, linear in linears.items():
         if has_ia3:
             linear.add_scale_bank(n_slots)
