@@ -63,7 +63,7 @@ from bench.quality import (
 )
 from patches.data import Dataset, load_dataset, split_dev
 from patches.encoder import Encoder, default_encoder_path, load_encoder, resolve_device
-from patches.jobs import SELECTION_METRICS, TrainConfig
+from patches.train_config import SELECTION_METRICS, TrainConfig
 from trainer.train import progress_logger, train_patch
 
 RESTART_NOTE = (

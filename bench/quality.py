@@ -42,9 +42,9 @@ from bench.baselines import BASELINES, logreg
 from bench.common import pyplot
 from patches.data import DataFile, Dataset, Splits, load_splits
 from patches.encoder import Encoder, load_encoder, resolve_device
-from patches.jobs import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
 from patches.packed import packed_unsupported
 from patches.packed_model import training_bert
+from patches.train_config import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
 from trainer.train import JointTrainer, PatchTraining, TrainResult, progress_logger, train_patch
 
 ROOT = Path(__file__).resolve().parents[1]

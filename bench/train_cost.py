@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from patches.data import load_dataset
 from patches.encoder import load_encoder, resolve_device
-from patches.jobs import TrainConfig
 from patches.model import TaskModel
 from patches.packed_model import PackedTaskModel
+from patches.train_config import TrainConfig
 from trainer.train import collate, featurize, loss_fn, packed_task_model, train_patch, trainable_parameters
 
 OUT = ROOT / "docs" / "benchmarks"

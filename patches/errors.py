@@ -99,6 +99,11 @@ class ReplicationError(RegistryUnavailableError):
     it may be lost in a failover. The message says so, and that the client should check before it retries."""
 
 
+# --- training jobs -----------------------------------------------------------------------------------------------
+class JobError(PatchServeError):
+    """A job request (its training config, gate or data) is invalid, or a job cannot be found."""
+
+
 def describe_validation_errors(errors: Iterable[Mapping[str, Any]], limit: int = 5) -> str:
     """pydantic-style errors (``ValidationError.errors()``, FastAPI's request errors) as one line,
     ``where: problem; where: problem``. The values sent are never echoed: they may be huge, NaN or not

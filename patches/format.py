@@ -233,7 +233,8 @@ class PatchMeta:
                 f"patch format version {version!r} is not supported by this build (reads "
                 f"{sorted(SUPPORTED_FORMAT_VERSIONS)}); upgrade patchserve or re-export the patch"
             )
-        retired = RETIRED_PATCH_TYPES.get(raw.get("patch_type"))  # type: ignore[arg-type]
+        patch_type = raw.get("patch_type")
+        retired = RETIRED_PATCH_TYPES.get(patch_type) if isinstance(patch_type, str) else None
         if retired is not None:
             raise RetiredPatchTypeError(
                 f"patch type {raw['patch_type']!r} ({retired}) is no longer served; retrain the task as a "

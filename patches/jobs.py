@@ -1,4 +1,5 @@
-"""Training jobs: the contract (TrainConfig, Gate) and the Redis Streams queue that carries them.
+"""Training jobs: the gate, the deployment's limits and the Redis Streams queue that carries them (the training
+config itself is ``patches.train_config``).
 
 Why Redis Streams with a consumer group (and not a job library): the deployment already runs Redis for the
 registry; a consumer group gives exactly what the trainer needs -- each job delivered to one worker, a pending
@@ -14,22 +15,19 @@ job before it is registered, and a retry that finds that id among the task's ver
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import redis
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from patches.api import TERMINAL
-from patches.bitfit import BIAS_SUBSETS
-from patches.errors import InvalidTaskNameError, PatchServeError, describe_validation_errors
-from patches.format import KINDS, POOLINGS, Label, shown, unprintable, validate_task_name
+from patches.errors import JobError
+from patches.format import shown, unprintable
 from patches.store.base import iso_time, redact_url
 from patches.store.redis import (
     DurableWrites,
@@ -40,15 +38,13 @@ from patches.store.redis import (
     run_transaction,
 )
 from patches.store.redis_keys import JOB_GROUP, RedisKeys
+from patches.train_config import TrainConfig, from_json
+
+__all__ = ["TERMINAL", "Gate", "Job", "JobError", "JobLimits", "JobNotFoundError", "JobQueue", "JobStateError"]
 
 JOB_FILES = ("train", "dev", "test")
 FINISHED_TTL_S = 7 * 24 * 3600
-_T = TypeVar("_T")
 JOB_ID_RE = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else names no job (and no Redis key)
-
-
-class JobError(PatchServeError):
-    """A job request is invalid, or a job cannot be found."""
 
 
 class JobStateError(JobError):
@@ -62,251 +58,7 @@ class JobNotFoundError(JobError):
         )
 
 
-# Defaults that differ between BitFit and full fine-tuning, filled in by ``TrainConfig.resolved()`` where a field
-# is None; docs/quality.md was measured with them. BitFit's few parameters need a larger rate and longer training,
-# and improve late in the linear decay: with 4 dev evaluations per epoch a patience of 40 lets the 10 epochs run to
-# the end (the best dev checkpoint is still restored). Where min_steps stretches a small data set's run, its epochs
-# (and evaluations) stretch with it, so that holds on small data too (docs/few-sample.md).
-BITFIT_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "epochs": 10.0, "patience": 40}
-FULL_DEFAULTS: dict[str, Any] = {"lr": 5e-5, "epochs": 5.0, "patience": 6}
-
-
-# Hard bounds on a training config, whoever sends it: each keeps a typo or a hostile job from holding a worker
-# forever or failing late. What a deployment allows a job to cost in total is the operator's ``JobLimits``.
-MAX_UPDATES_PER_RUN = 10_000_000
-MAX_RUNS = 100  # restarts x learning rates
-# Small data is where fine-tuning is unstable across seeds (Zhang et al., ICLR 2021): with fewer than this many
-# training rows and no `restarts` given, a config trains SMALL_DATA_RESTARTS seeds and averages them into one patch
-# (`restarts_merge`; docs/few-sample.md measures it).
-SMALL_DATA_ROWS = 1000
-SMALL_DATA_RESTARTS = 3
-# A dev set this small scores in steps of several points (26 rows: 4 points, a standard error near 9), too coarse
-# to rank the checkpoints of one run: with no `checkpoint` given, such a run keeps its last checkpoint, not its best.
-SMALL_DEV_ROWS = 100
-# Dev metrics that may choose the checkpoint (`metric`), per task kind; the first is the kind's default, except
-# that tags in a BIO/IOB2/BIOES scheme default to entity_f1 (TrainConfig.selection_metric).
-SELECTION_METRICS: dict[str, tuple[str, ...]] = {
-    "classification": ("accuracy", "macro_f1"),
-    "regression": ("spearman", "pearson"),
-    "token-classification": ("token_accuracy", "entity_f1"),
-}
-METRIC_NAMES = sorted({m for names in SELECTION_METRICS.values() for m in names})
-ANY_VALUE = object()
-# Options earlier releases took and this one does not (docs/experiments.md says why), each with its "off" value: a
-# job an earlier release queued holds every option, so these are dropped at that value (ANY_VALUE: whatever it is,
-# as distill_temperature did nothing without distill) and refused at any other.
-RETIRED_OPTIONS: dict[str, Any] = {"contrastive": 0, "distill": 0.0, "distill_temperature": ANY_VALUE}
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # a bool is not an int, "5" is not a number, NaN is refused
-_Steps = Annotated[int, Field(ge=1, le=MAX_UPDATES_PER_RUN)]
-_Rate = Annotated[float, Field(gt=0, le=1)]
-
-
-@pydantic_dataclass(config=_STRICT)
-class TrainConfig:
-    """How to train a patch. Defaults are the ones the README's quality table was measured with; a None among
-    ``lr``, ``epochs`` and ``patience`` means the default for the mode (BitFit or ``full``), see ``resolved()``.
-
-    Types are checked strictly and every value is bounded (see ``from_dict``); ``JobLimits`` caps a job's total
-    cost."""
-
-    task: str
-    bias_subset: str = "all"
-    # what trains besides the biases: "none" (BitFit, a "bitfit" patch) or "ia3" ((IA)^3 scales on every layer's
-    # keys, values and feed-forward intermediate, a "bitfit-ia3" patch; trains on the packed model)
-    scales: Literal["none", "ia3"] = "none"
-    pooling: str | None = None  # None: the encoder's default (mean for sentence-embedding encoders)
-    kind: str | None = None  # None: inferred from the data
-    max_seq_length: Annotated[int, Field(ge=8, le=65536)] = 128
-    epochs: Annotated[float, Field(gt=0, le=10_000)] | None = None  # None: 10 for BitFit, 5 for full fine-tuning
-    min_steps: _Steps = 600  # small data sets still get this many updates (Zhang et al., ICLR 2021)
-    max_steps: _Steps | None = None
-    batch_size: Annotated[int, Field(ge=1, le=4096)] = 16
-    lr: _Rate | None = None  # None: 3e-3 for BitFit, 5e-5 for full fine-tuning
-    head_lr: _Rate | None = None  # the task head's learning rate; None: the same as lr
-    lr_search: Annotated[list[_Rate], Field(max_length=16)] = field(default_factory=list)  # e.g. [1e-4, 4e-4, 1e-3]
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-    # seeds seed .. seed+restarts-1; the best dev score wins. None: SMALL_DATA_RESTARTS on small data, else 1
-    restarts: Annotated[int, Field(ge=1, le=MAX_RUNS)] | None = None
-    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    weight_decay: Annotated[float, Field(ge=0, le=1)] = 0.0
-    max_grad_norm: Annotated[float, Field(gt=0, le=1e6)] = 1.0
-    dropout: Annotated[float, Field(ge=0, lt=1)] | None = None  # the encoder's dropout while training; None: its own
-    eval_every: _Steps | None = None  # updates between dev evaluations; None: 4 per (min_steps-stretched) epoch
-    patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # evaluations without gain; None: 40 / 6
-    full: bool = False  # fine-tune every weight (report only, for comparison)
-    # the dev metric that picks checkpoints and restarts (SELECTION_METRICS); None: the kind's default
-    metric: str | None = None
-    # which checkpoint of a run is kept: "best" (dev score) or "last"; None: last when dev has < SMALL_DEV_ROWS rows
-    checkpoint: Literal["best", "last"] | None = None
-    # what the restarts make: "best", the run with the best dev score; "average", one patch whose biases and head
-    # are the mean of the restarts' (which then share their head's initialisation: a "model soup" of the seeds).
-    # None: average where the restarts are automatic (small data), else best
-    restarts_merge: Literal["best", "average"] | None = None
-    # where each run's head starts: "random", a freshly initialised linear layer; "labels" (classification), each
-    # class's row is the frozen encoder's pooled unit vector of the label's name ("positive", "card arrival":
-    # underscores read as spaces) and the bias 0, so the head scores a row by its agreement with the names before
-    # any training -- a zero-shot start. None: labels for a patch of a classification task on small data (under
-    # SMALL_DATA_ROWS training rows, where it scored better on the sets' own dev splits, docs/few-sample.md), else
-    # random
-    head_init: Literal["random", "labels"] | None = None
-    device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = "auto"
-
-    def __post_init__(self) -> None:
-        try:
-            validate_task_name(self.task)
-        except InvalidTaskNameError as exc:
-            raise JobError(f"training config: {exc}") from None
-        checks = [
-            (self.bias_subset in BIAS_SUBSETS, f"bias_subset must be one of {sorted(BIAS_SUBSETS)}"),
-            (self.pooling is None or self.pooling in POOLINGS, f"pooling must be one of {list(POOLINGS)}"),
-            (self.kind in (None, *KINDS), f"kind must be one of {list(KINDS)}"),
-            (self.metric is None or self.metric in METRIC_NAMES, f"metric must be one of {METRIC_NAMES}"),
-            (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
-            (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
-            (not (self.full and self.scales != "none"), "full fine-tuning trains every weight; drop scales or full"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise JobError(f"training config: {msg}")
-        if self.kind in KINDS:
-            self.check_head_init(self.kind)
-
-    def selection_metric(self, kind: str, labels: Sequence[Label]) -> str:
-        """The dev metric that chooses checkpoints and restarts for a task of ``kind`` with these labels (tags):
-        ``metric``, else accuracy, spearman, and for tags entity_f1 when BIO-style, else token_accuracy. A metric
-        that cannot score the task is a JobError (checked before any training)."""
-        if self.metric is None:
-            return (
-                "entity_f1" if kind == "token-classification" and is_bio_scheme(labels) else SELECTION_METRICS[kind][0]
-            )
-        if self.metric not in SELECTION_METRICS[kind]:
-            raise JobError(f"training config: {_misfit(self, kind)}")
-        if self.metric == "entity_f1" and not is_bio_scheme(labels):
-            raise JobError(
-                "metric 'entity_f1' needs tags in a BIO/IOB2/BIOES scheme (B-PER, I-PER, O...), got "
-                f"{shown(list(labels)[:10])}; use token_accuracy"
-            )
-        return self.metric
-
-    def checkpoint_for(self, dev_rows: int) -> Literal["best", "last"]:
-        """Which checkpoint a run keeps with a dev set of ``dev_rows`` rows: ``checkpoint``, or when unset the last
-        one on a dev set too small to rank checkpoints (SMALL_DEV_ROWS), else the best."""
-        if self.checkpoint is not None:
-            return self.checkpoint
-        return "last" if dev_rows < SMALL_DEV_ROWS else "best"
-
-    def restarts_for(self, train_rows: int) -> int:
-        """Seeds to train on ``train_rows`` rows: ``restarts``, or when unset SMALL_DATA_RESTARTS on small data."""
-        if self.restarts is not None:
-            return self.restarts
-        return SMALL_DATA_RESTARTS if train_rows < SMALL_DATA_ROWS else 1
-
-    def restarts_merge_for(self, train_rows: int) -> Literal["best", "average"]:
-        """What the restarts on ``train_rows`` rows make: ``restarts_merge``, or when unset their average where the
-        restarts are automatic (small data: a dev set carved from so few rows cannot tell healthy seeds apart, and
-        their average scored better on the sets' own dev splits, docs/few-sample.md), else the best dev score."""
-        if self.restarts_merge is not None:
-            return self.restarts_merge
-        return "average" if self.restarts is None and train_rows < SMALL_DATA_ROWS else "best"
-
-    def check_task(self, kind: str, labels: Sequence[Label]) -> None:
-        """A JobError where this config cannot train a task of ``kind`` with these labels (tags): a metric that
-        cannot score it, or a label-name head without labels. The server, the CLI and the worker ask before any
-        training."""
-        self.selection_metric(kind, labels)
-        self.check_head_init(kind)
-
-    def head_init_for(self, kind: str, train_rows: int) -> Literal["random", "labels"]:
-        """Where the heads of a task of ``kind`` on ``train_rows`` rows start (``head_init_why``)."""
-        return self.head_init_why(kind, train_rows)[0]
-
-    def head_init_why(self, kind: str, train_rows: int) -> tuple[Literal["random", "labels"], str]:
-        """Where the heads of a task of ``kind`` on ``train_rows`` rows start, and why: ``head_init``, or when unset
-        the label names for a patch (not ``full``) of a classification task on small data (SMALL_DATA_ROWS), else a
-        random head."""
-        if self.head_init is not None:
-            return self.head_init, f"set: head_init={self.head_init}"
-        if self.full:
-            return "random", "automatic: a random head for full fine-tuning"
-        if kind != "classification":
-            return "random", f"automatic: a random head: label names start classifiers, not a {kind} head"
-        if train_rows >= SMALL_DATA_ROWS:
-            return "random", f"automatic: a random head: {train_rows} training rows are not under {SMALL_DATA_ROWS}"
-        return (
-            "labels",
-            f"automatic: a classifier on {train_rows} training rows (under {SMALL_DATA_ROWS}) starts from its names",
-        )
-
-    def check_head_init(self, kind: str) -> None:
-        """A JobError where ``head_init`` asks for a start the task of ``kind`` cannot take: label-name heads score
-        a pooled sentence vector, so classification only (checked before any training)."""
-        if self.head_init == "labels" and kind != "classification":
-            raise JobError(
-                f"training config: head_init 'labels' starts a sentence classifier from its label names, not a "
-                f"{kind} head; set head_init to 'random'"
-            )
-
-    def runs(self, train_rows: int) -> int:
-        """Training runs this config makes on ``train_rows`` rows: one per restart and learning rate."""
-        return self.restarts_for(train_rows) * max(1, len(self.lr_search))
-
-    @property
-    def max_runs(self) -> int:
-        """The most runs this config can make, whatever the data."""
-        return (self.restarts or SMALL_DATA_RESTARTS) * max(1, len(self.lr_search))
-
-    def resolved(self) -> TrainConfig:
-        """This config with the mode's defaults (``BITFIT_DEFAULTS`` / ``FULL_DEFAULTS``) in place of None."""
-        defaults = FULL_DEFAULTS if self.full else BITFIT_DEFAULTS
-        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
-
-    def planned_steps(self, train_rows: int) -> int:
-        """Updates one run makes on ``train_rows`` rows: the epochs, stretched to ``min_steps``, capped by
-        ``max_steps`` (early stopping may end it sooner)."""
-        epochs = self.resolved().epochs
-        assert epochs is not None
-        steps_per_epoch = math.ceil(train_rows / self.batch_size)
-        total = max(self.min_steps, math.ceil(epochs * steps_per_epoch))
-        return min(total, self.max_steps) if self.max_steps else total
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> TrainConfig:
-        """A config from JSON (a job, the API); see ``_from_json``. A retired option (``RETIRED_OPTIONS``) at its
-        "off" value, as a job queued by an earlier release holds it, is dropped; any other value is refused."""
-        if isinstance(raw, dict):
-            raw = dict(raw)
-            for name, off in RETIRED_OPTIONS.items():
-                if name in raw and raw.pop(name) != off and off is not ANY_VALUE:
-                    raise JobError(
-                        f"training config: {name} was removed (it did not pay; docs/experiments.md); drop {name}"
-                    )
-            if raw.get("scales") == "layernorm":
-                raise JobError(
-                    "training config: scales 'layernorm' (the bitfit-ln kind) was removed (it did not pay; "
-                    "docs/experiments.md); use 'none' or 'ia3'"
-                )
-        return _from_json(cls, raw, "training config")
-
-
-_SCHEME_TAG = re.compile(r"(?:[BIES]-.+|O)")  # IOB2, IOB1 and BIOES tags all look like this
-
-
-def is_bio_scheme(tags: Sequence[Label]) -> bool:
-    """Whether a tag set reads as entity spans (BIO / IOB2 / BIOES): every tag is O or B-/I-/E-/S-TYPE."""
-    return (
-        bool(tags)
-        and all(isinstance(t, str) and _SCHEME_TAG.fullmatch(t) for t in tags)
-        and any(t != "O" for t in tags)
-    )
-
-
-def _misfit(config: TrainConfig, kind: str | None = None) -> str:
-    """The message for a ``metric`` that does not score a task of ``kind`` (default: the config's own kind)."""
-    kind = kind or config.kind or ""
-    return f"metric {config.metric!r} does not score a {kind} task; use one of {list(SELECTION_METRICS.get(kind, ()))}"
-
-
-@pydantic_dataclass(config=_STRICT)
+@pydantic_dataclass(config=ConfigDict(strict=True, allow_inf_nan=False))
 class Gate:
     """When a trained patch may be registered."""
 
@@ -317,22 +69,7 @@ class Gate:
     @classmethod
     def from_dict(cls, raw: Any) -> Gate:
         """A gate from JSON (None: no gate); see ``_from_json``."""
-        return cls() if raw is None else _from_json(cls, raw, "gate")
-
-
-def _from_json(cls: type[_T], raw: Any, what: str) -> _T:
-    """``cls(**raw)`` for JSON a client sent: anything but an object, unknown fields, wrong types and out-of-range
-    values are a :class:`JobError` naming each field (``what``: "training config", "gate")."""
-    if not isinstance(raw, dict):
-        raise JobError(f"{what} must be a JSON object")
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(str(k) for k in set(raw) - known)
-    if unknown:
-        raise JobError(f"{what} has unknown fields {shown(unknown)}; known fields: {sorted(known)}")
-    try:
-        return cls(**raw)
-    except ValidationError as exc:
-        raise JobError(f"{what}: {describe_validation_errors(exc.errors())}") from None
+        return cls() if raw is None else from_json(cls, raw, "gate")
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,17 @@ from fastapi.concurrency import run_in_threadpool
 from patches.api import JobPublic
 from patches.data import job_splits
 from patches.format import strict_json
-from patches.jobs import Gate, JobError, JobQueue, TrainConfig
+from patches.jobs import Gate, JobError, JobQueue
+from patches.train_config import TrainConfig, options
 from server.deps import AdminAuth, ReadAuth, ServiceDep
 from server.openapi import JobId, errors
 
 router = APIRouter(tags=["jobs"])
+CONFIG_HELP = (
+    'JSON training config, e.g. {"task": "trec", "epochs": 5}, with an optional "gate": {"min_dev": 0.8, '
+    '"not_worse": true}. Its fields are the training options (the docs\' training page, or `patchserve train '
+    "--help`): " + ", ".join(f"`{o.name}`" for o in options()) + "."
+)
 
 
 def _queue(svc: Any) -> JobQueue:
@@ -35,10 +41,7 @@ async def submit_job(
     train: UploadFile = File(description="Training data (.jsonl or .csv)."),  # noqa: B008
     dev: UploadFile | None = File(None, description="Dev data (default: 10% of train)."),  # noqa: B008
     test: UploadFile | None = File(None, description="Test data, scored once at the end."),  # noqa: B008
-    config: str = Form(
-        description='JSON training config, e.g. {"task": "trec", "epochs": 5}; optional '
-        '"gate": {"min_dev": 0.8, "not_worse": true}.'
-    ),
+    config: str = Form(description=CONFIG_HELP),
 ) -> dict[str, Any]:
     """Queue a training job; a worker trains it and registers the patch if it passes the gate."""
     queue = _queue(svc)

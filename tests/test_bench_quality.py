@@ -21,7 +21,7 @@ from bench.quality import (
     write_table,
 )
 from patches.data import DataFile, load_splits
-from patches.jobs import TrainConfig
+from patches.train_config import TrainConfig
 from tests.helpers import synthetic_rows, write_jsonl
 from trainer.train import train_patch
 

@@ -17,7 +17,8 @@ from patches.api import PredictRequest
 from patches.data import DataError, DataFile, job_splits, parse_dataset
 from patches.errors import PatchError
 from patches.format import METADATA_KEY, Patch, PatchMeta
-from patches.jobs import Gate, JobError, TrainConfig
+from patches.jobs import Gate, JobError
+from patches.train_config import TrainConfig
 from server.predict import InputError, normalise_inputs
 from tests.helpers import make_patch
 

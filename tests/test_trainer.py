@@ -12,9 +12,10 @@ import torch
 from patches.bitfit import bias_parameters, ia3_sites, target_names
 from patches.data import DataError, DataFile, load_dataset, load_splits, split_dev
 from patches.format import Patch
-from patches.jobs import JobError, JobLimits, TrainConfig, is_bio_scheme
+from patches.jobs import JobError, JobLimits
 from patches.model import TaskModel
 from patches.packed_model import PackedTaskModel
+from patches.train_config import TrainConfig, is_bio_scheme
 from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
 from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
 from trainer.metrics import classification_metrics, tagging_metrics
@@ -492,7 +493,7 @@ def test_the_selection_metric_is_settable_and_checked(tmp_path, tiny_encoder):
     tags, tags_dev = _data(tmp_path, "token-classification", 16, 4)
     with pytest.raises(JobError, match="needs tags in a BIO/IOB2/BIOES scheme"):
         train_patch(tiny_encoder, tags, tags_dev, _config(metric="entity_f1"))
-    with pytest.raises(JobError, match="metric must be one of"):
+    with pytest.raises(JobError, match="metric: Input should be .accuracy., .macro_f1."):
         TrainConfig.from_dict({"task": "t", "metric": "f1"})
     with pytest.raises(JobError, match="does not score a regression task"):
         TrainConfig.from_dict({"task": "t", "kind": "regression", "metric": "accuracy"})

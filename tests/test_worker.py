@@ -372,7 +372,7 @@ def test_the_alive_file_follows_the_workers_loop_and_the_compose_healthcheck_rea
         ({"gate": {"min_dev": "0.8"}}, "gate: min_dev: Input should be a valid number"),
         ({"gate": {"min_dev": 0.8, "minimum": 1}}, "gate has unknown fields ['minimum']"),
         ({"gate": [0.8]}, "gate must be a JSON object"),
-        ({"metric": "f1"}, "metric must be one of"),
+        ({"metric": "f1"}, "metric: Input should be 'accuracy', 'macro_f1'"),
         ({"metric": "entity_f1"}, "metric 'entity_f1' does not score a classification task"),  # known from the data
         ({"contrastive": 2}, "contrastive was removed (it did not pay; docs/experiments.md); drop contrastive"),
         ({"distill": 0.5}, "distill was removed (it did not pay; docs/experiments.md); drop distill"),
@@ -520,7 +520,7 @@ def test_concurrent_jobs_train_in_one_batch_each_as_it_would_alone(redis_ns, tin
     """--concurrent-jobs 2: a long job and a short one of another kind train together; when the short one leaves,
     a job submitted later joins the long one. Each registers once, a patch equal to the same job trained alone."""
     from patches.data import job_splits
-    from patches.jobs import TrainConfig
+    from patches.train_config import TrainConfig
     from trainer.train import train_patch
 
     _url, reg, queue = redis_ns

@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patches.bitfit import SCALES
 from patches.cli import add_min_replicas_option, add_registry_option, add_retention_option
-from patches.jobs import METRIC_NAMES, SMALL_DATA_RESTARTS, SMALL_DATA_ROWS, SMALL_DEV_ROWS
 from patches.store.base import redact_url
+from patches.train_config import Option, options
 
 SUMMARY_KEYS = (
     "task",
@@ -30,136 +29,30 @@ SUMMARY_KEYS = (
 
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
-    """Options that become a TrainConfig (shared by ``train`` and ``submit``)."""
-    p.add_argument("--task", required=True, help="task name (letters, digits, _ . -)")
-    p.add_argument(
-        "--kind",
-        choices=["classification", "regression", "token-classification"],
-        help="task kind; inferred from the data when omitted",
-    )
-    p.add_argument(
-        "--bias-subset",
-        default="all",
-        choices=["all", "query-intermediate"],
-        help="which biases train: all (BitFit) or b_q + b_m2 (0.04%% of BERT-base); default all",
-    )
-    p.add_argument(
-        "--scales",
-        default="none",
-        choices=list(SCALES),
-        help="what trains besides the biases: none (a bitfit patch, the default) or ia3 ((IA)^3 scales on every "
-        "layer's keys, values and feed-forward intermediate: a bitfit-ia3 patch, BERT encoders), served at a bias's "
-        "cost in the same mixed batches",
-    )
-    p.add_argument("--epochs", type=float, help="passes over the training data (default 10 for BitFit, 5 with --full)")
-    p.add_argument(
-        "--min-steps",
-        type=int,
-        default=600,
-        help="train at least this many updates, so small data sets train long enough (default 600)",
-    )
-    p.add_argument("--max-steps", type=int, help="stop after this many updates")
-    p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for BitFit, 5e-5 with --full)")
-    p.add_argument("--head-lr", type=float, help="the task head's learning rate (default: the same as --lr)")
-    p.add_argument(
-        "--lr-search",
-        type=float,
-        nargs="+",
-        metavar="LR",
-        help="try each learning rate and keep the best dev score (BitFit paper: 1e-4 4e-4 7e-4 1e-3)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0); training is deterministic per seed")
-    p.add_argument(
-        "--restarts",
-        type=int,
-        help="train with seeds seed..seed+N-1 and keep the best dev score (default: "
-        f"{SMALL_DATA_RESTARTS} when the training set has fewer than {SMALL_DATA_ROWS} rows, where runs vary most "
-        "from seed to seed, else 1)",
-    )
-    p.add_argument(
-        "--restarts-merge",
-        choices=["best", "average"],
-        help="what the restarts make: 'best' keeps the run with the best dev score; 'average' starts every "
-        "restart's head alike and averages the restarts' biases and heads into one patch (default: average where "
-        f"the restarts are automatic, i.e. under {SMALL_DATA_ROWS} training rows, else best)",
-    )
-    p.add_argument(
-        "--head-init",
-        choices=["random", "labels"],
-        help="where the head starts: 'random', or 'labels' (classification): each class's row is the frozen "
-        "encoder's sentence vector of its label's name, a zero-shot start where the names mean something "
-        f"('positive', 'card_arrival') (default: labels for a classifier with fewer than {SMALL_DATA_ROWS} training "
-        "rows, where it scored better on dev, docs/few-sample.md; else random)",
-    )
-    p.add_argument(
-        "--checkpoint",
-        choices=["best", "last"],
-        help="which checkpoint of a run to keep: its best dev score, or its last (default: last when the dev set "
-        f"has fewer than {SMALL_DEV_ROWS} rows, too few to rank checkpoints, else best)",
-    )
-    p.add_argument(
-        "--metric",
-        choices=METRIC_NAMES,
-        help="the dev metric that picks the best checkpoint and restart (default: accuracy for classification, "
-        "spearman for regression, entity_f1 for BIO/IOB2/BIOES tags, else token_accuracy)",
-    )
-    p.add_argument("--batch-size", type=int, default=16, help="examples per update (default 16)")
-    p.add_argument("--max-seq-length", type=int, default=128, help="truncate inputs to this many tokens (default 128)")
-    p.add_argument(
-        "--pooling",
-        choices=["mean", "cls", "pooler"],
-        help="sentence vector for the head; default: the encoder's (mean for the default encoder)",
-    )
-    p.add_argument(
-        "--patience",
-        type=int,
-        help="dev evaluations without improvement before stopping early (default 40 for BitFit: its 10 epochs run "
-        "to the end; 6 with --full); the best dev checkpoint is kept either way",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        help="updates between dev evaluations (default: 4 per epoch; where --min-steps stretches a small data "
-        "set's run, 4 per stretched epoch, i.e. 40 over a 10-epoch run)",
-    )
-    p.add_argument(
-        "--dropout", type=float, help="dropout rate in the encoder while training (default: the encoder's own)"
-    )
-    p.add_argument(
-        "--full",
-        action="store_true",
-        help="fully fine-tune the same encoder instead (a report for comparison, no patch)",
-    )
+    """A flag for every training option (``patches.train_config.options()``: the one declaration the job API and
+    the docs read too), shared by ``train`` and ``submit``. An option left out keeps the config's default."""
+    group = p.add_argument_group("training options (each is also a field of a job's JSON config)")
+    for option in options():
+        kw: dict[str, Any] = {"help": _help(option), "default": None, "required": option.required}
+        if option.kind is bool:
+            kw["action"] = "store_true"
+        else:
+            kw |= {"type": option.kind, "choices": option.choices, "metavar": option.metavar}
+            if option.many:
+                kw["nargs"] = "+"
+        group.add_argument(option.flag, **kw)
+
+
+def _help(option: Option) -> str:
+    help = option.help.replace("%", "%%")  # argparse formats help with %
+    if option.default is None or option.kind is bool or option.default == []:
+        return help
+    return f"{help} Default: {option.default}."
 
 
 def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainConfig fields the options give (JSON-able, so jobs can carry it)."""
-    cfg = {
-        "task": args.task,
-        "kind": args.kind,
-        "bias_subset": args.bias_subset,
-        "scales": args.scales,
-        "epochs": args.epochs,
-        "min_steps": args.min_steps,
-        "max_steps": args.max_steps,
-        "lr": args.lr,
-        "head_lr": args.head_lr,
-        "lr_search": args.lr_search or [],
-        "seed": args.seed,
-        "restarts": args.restarts,
-        "restarts_merge": args.restarts_merge,
-        "head_init": args.head_init,
-        "batch_size": args.batch_size,
-        "max_seq_length": args.max_seq_length,
-        "pooling": args.pooling,
-        "patience": args.patience,
-        "eval_every": args.eval_every,
-        "dropout": args.dropout,
-        "full": args.full,
-        "metric": args.metric,
-        "checkpoint": args.checkpoint,
-    }
-    return cfg
+    """The training options given on the command line, as a job's JSON config (the rest keep their defaults)."""
+    return {o.name: value for o in options() if (value := getattr(args, o.name)) is not None}
 
 
 def _write_patch(path: Path, data: bytes) -> None:
@@ -171,16 +64,16 @@ def _write_patch(path: Path, data: bytes) -> None:
 def _train(args: argparse.Namespace) -> int:
     from patches.data import DataFile, load_splits
     from patches.encoder import load_encoder
-    from patches.jobs import TrainConfig
+    from patches.train_config import TrainConfig
     from trainer.report import write_json, write_png
     from trainer.train import progress_logger, train_patch
 
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
         return 2
-    config = TrainConfig.from_dict(config_from_args(args) | {"device": args.device})
+    config = TrainConfig.from_dict(config_from_args(args))
     dev_file, test_file = (DataFile.read(f) if f else None for f in (args.dev, args.test))
-    splits = load_splits(DataFile.read(args.train), dev_file, test_file, kind=args.kind, seed=args.seed)
+    splits = load_splits(DataFile.read(args.train), dev_file, test_file, kind=config.kind, seed=config.seed)
     train, dev, test = splits.train, splits.dev, splits.test
     if splits.dev_carved:
         print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
@@ -331,7 +224,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from patches.data import DataFile, job_splits
-    from patches.jobs import JobQueue, TrainConfig
+    from patches.jobs import JobQueue
+    from patches.train_config import TrainConfig
 
     files = {}
     for role in ("train", "dev", "test"):
@@ -405,7 +299,6 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--report", help="write the JSON report here, and a PNG (learning curve + bias heatmap) beside it")
     p.add_argument("--model", default="default", help="base encoder: 'default', a local HF folder or a hub id")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: CUDA when present)")
     add_retention_option(p)
     add_min_replicas_option(p)
     p.set_defaults(func=_train, registry_given=False)

@@ -19,7 +19,7 @@ from seqeval.metrics.sequence_labeling import precision_recall_fscore_support as
 from sklearn.metrics import f1_score
 
 from patches.format import Label
-from patches.jobs import is_bio_scheme
+from patches.train_config import is_bio_scheme
 
 
 def rankdata(a: np.ndarray) -> np.ndarray:

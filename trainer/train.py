@@ -45,10 +45,10 @@ from patches.data import Dataset
 from patches.encoder import Encoder, resolve_device
 from patches.errors import EncoderError
 from patches.format import BaseRef, Label, Patch, PatchMeta
-from patches.jobs import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from patches.model import TaskModel, pool
 from patches.packed import PackedBert, packed_unsupported
 from patches.packed_model import PackedTaskModel, Part, joint_forward
+from patches.train_config import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
 
 IGNORE = -100

@@ -25,10 +25,11 @@ from patches.data import DataError, Dataset, job_splits
 from patches.encoder import Encoder, resolve_device
 from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
 from patches.format import Patch
-from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue, TrainConfig
+from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue
 from patches.packed import PackedBert, packed_unsupported
 from patches.packed_model import training_bert
 from patches.store import Registry
+from patches.train_config import TrainConfig
 from trainer.train import JointTrainer, PatchTraining, TrainingStopped, TrainResult, progress_line
 
 log = logging.getLogger(__name__)
