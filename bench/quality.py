@@ -45,7 +45,9 @@ from patches.encoder import Encoder, load_encoder, resolve_device
 from patches.packed import packed_unsupported
 from patches.packed_model import training_bert
 from patches.train_config import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
-from trainer.train import JointTrainer, PatchTraining, TrainResult, progress_logger, train_patch
+from trainer.joint import JointTrainer
+from trainer.progress import progress_logger
+from trainer.train import PatchTraining, TrainResult, train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"

@@ -19,7 +19,7 @@ of the training set with ``--dev-rows`` dev rows, each in its own process: its w
 
 Jobs. ``--concurrent-jobs K`` default BitFit jobs (each on its own ``--job-rows`` slice of the training set, its own
 seed, at most ``--job-max-steps`` updates), trained one at a time and then together in one batch, as
-``patchserve worker --concurrent-jobs K`` trains them (``trainer.train.JointTrainer``), each way in its own
+``patchserve worker --concurrent-jobs K`` trains them (``trainer.joint.JointTrainer``), each way in its own
 process: ``jobs_per_hour_1`` and ``jobs_per_hour_k``, and their ratio ``jobs_speedup``.
 """
 
@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from patches.data import load_dataset
 from patches.encoder import load_encoder, resolve_device
-from patches.model import TaskModel
-from patches.packed_model import PackedTaskModel
 from patches.train_config import TrainConfig
-from trainer.train import collate, featurize, loss_fn, packed_task_model, train_patch, trainable_parameters
+from trainer.features import collate, featurize
+from trainer.models import PackedRuns, PaddedRun, RunModel
+from trainer.runs import loss_fn
+from trainer.train import train_patch
 
 OUT = ROOT / "docs" / "benchmarks"
 MODES = ("packed", "padded", "full", "packed-ia3")
@@ -93,14 +94,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     feats = featurize(encoder.tokenizer, ds, labels, 128)
     config = TrainConfig(task="cost", full=args.child == "full", scales="ia3" if args.child == "packed-ia3" else "none")
     head = torch.nn.Linear(encoder.hidden_size, len(labels))
-    model: TaskModel | PackedTaskModel
-    if args.child in ("packed", "packed-ia3"):  # the trainer's own packed model
-        model = packed_task_model(encoder.model.to(device), [head], ds.kind, "mean", config)
-        params = [p for group in model.run_parameters(0) for p in group]
+    model: RunModel  # the trainer's own models: packed runs, or one padded run
+    if args.child in ("packed", "packed-ia3"):
+        model = PackedRuns(encoder.model.to(device), [head], ds.kind, "mean", config)
     else:
-        model = TaskModel(encoder.model, head, ds.kind, "mean").to(device)
-        encoder_params, head_params = trainable_parameters(model, config)
-        params = encoder_params + head_params
+        model = PaddedRun(encoder.model, head, ds.kind, "mean", config, device)
+    params = [p for group in model.parameters_of(0) for p in group]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     model.train()
     n = len(feats)
@@ -109,9 +108,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     def update(rows: list[Any]) -> None:
         batch = collate(rows, pad_id, ds.kind, device)
-        loss = loss_fn(
-            ds.kind, model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]), batch["labels"]
-        )
+        loss = loss_fn(ds.kind, model.logits(batch, torch.zeros(len(rows), dtype=torch.long)), batch["labels"])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -170,7 +167,8 @@ def jobs_child(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
     from patches.packed_model import training_bert
-    from trainer.train import JointTrainer, PatchTraining
+    from trainer.joint import JointTrainer
+    from trainer.train import PatchTraining
 
     encoder = load_encoder(args.model)
     encoder.model.to(resolve_device(args.device))

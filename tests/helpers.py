@@ -159,3 +159,46 @@ def retired_patch(encoder, task: str = "sentiment", seed: int = 1):
     data = save(tensors, metadata={"patchserve": json.dumps(meta, sort_keys=True, separators=(",", ":"))})
     patch_id = "sha256:" + hashlib.sha256(data).hexdigest()
     return SimpleNamespace(data=data, patch_id=patch_id, meta=SimpleNamespace(task=task))
+
+
+def training_data(tmp_path: Path, kind: str, n_train: int = 240, n_dev: int = 60):
+    """A learnable synthetic task of ``kind``: (train, dev) datasets of seeded rows, written as JSONL and read back."""
+    from patches.data import load_dataset
+
+    train = load_dataset(write_jsonl(tmp_path / f"{kind}-train.jsonl", synthetic_rows(kind, n_train, seed=1)))
+    dev = load_dataset(
+        write_jsonl(tmp_path / f"{kind}-dev.jsonl", synthetic_rows(kind, n_dev, seed=2)),
+        kind=train.kind,
+        labels=train.labels or None,
+    )
+    return train, dev
+
+
+def train_config(**kw):
+    """A TrainConfig for a quick CPU run on ``training_data``: ``kw`` override the settings."""
+    from patches.train_config import TrainConfig
+
+    base = {
+        "task": "t",
+        "min_steps": 60,
+        "epochs": 1,
+        "batch_size": 16,
+        "eval_every": 20,
+        "device": "cpu",
+        "patience": 100,
+        "lr": 1e-2,
+        "pooling": "mean",
+        "restarts": 1,  # one seed unless a test is about restarts (small data would get 3)
+        "checkpoint": "best",  # these dev sets are tiny: by default they would keep the last checkpoint
+    }
+    return TrainConfig(**(base | kw))
+
+
+def name_vector(encoder, name: str):
+    """The encoder's mean-pooled unit vector of one text, encoded alone (no padding)."""
+    import torch
+
+    enc = encoder.tokenizer(name, return_tensors="pt")
+    with torch.no_grad():
+        hidden = encoder.model.eval()(**enc).last_hidden_state[0]
+    return torch.nn.functional.normalize(hidden.mean(0), dim=-1)

@@ -13,15 +13,11 @@ from patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, s
 from patches.model import TaskModel
 from patches.packed import add_exact_attention, dropout, keep_mask
 from patches.packed_model import PackedTaskModel, joint_forward, training_bert
-from tests.test_trainer import _config, _data
-from trainer.train import (
-    Features,
-    _set_dropout,
-    collate,
-    featurize,
-    loss_fn,
-    train_patch,
-)
+from tests.helpers import train_config, training_data
+from trainer.features import Features, collate, featurize
+from trainer.models import set_dropout
+from trainer.runs import loss_fn
+from trainer.train import train_patch
 
 SENTENCES = [
     "the cat sat",
@@ -82,7 +78,7 @@ def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
     head = nn.Linear(tiny_encoder.hidden_size, n_out)
     trained = target_names(encoder, subset) + scale_names(encoder, scales)
     padded = TaskModel(copy.deepcopy(encoder), copy.deepcopy(head), kind, pooling)
-    _set_dropout(padded.encoder, 0.0)
+    set_dropout(padded.encoder, 0.0)
     padded.train()
     padded.requires_grad_(False)
     params: dict[str, torch.Tensor] = dict(bias_parameters(padded.encoder))
@@ -282,15 +278,15 @@ def test_attention_written_out_for_dropout_equals_the_fused_one(tiny_encoder):
 
 
 def test_train_patch_packs_bitfit_and_pads_full_fine_tuning(tmp_path, tiny_encoder):
-    train, dev = _data(tmp_path, "classification", n_train=64, n_dev=16)
-    packed = train_patch(tiny_encoder, train, dev, _config(min_steps=4, eval_every=2))
+    train, dev = training_data(tmp_path, "classification", n_train=64, n_dev=16)
+    packed = train_patch(tiny_encoder, train, dev, train_config(min_steps=4, eval_every=2))
     assert packed.report["forward"] == "packed"
     assert packed.patch is not None
     assert isinstance(packed.model, TaskModel)  # the chosen run as a plain model
-    full = train_patch(tiny_encoder, train, dev, _config(min_steps=4, eval_every=2, full=True))
+    full = train_patch(tiny_encoder, train, dev, train_config(min_steps=4, eval_every=2, full=True))
     assert full.report["forward"] == "padded"
     with pytest.raises(ValueError, match="full fine-tuning"):
-        train_patch(tiny_encoder, train, dev, _config(full=True), packed=True)
+        train_patch(tiny_encoder, train, dev, train_config(full=True), packed=True)
 
 
 def _dev_logits(result, encoder, dev):
@@ -302,15 +298,17 @@ def _dev_logits(result, encoder, dev):
 
 @pytest.mark.parametrize("patience", [100, 1])
 def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder, patience):
-    train, dev = _data(tmp_path, "classification", n_train=96, n_dev=32)
-    config = _config(min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr_search=[1e-2, 3e-3], restarts=2)
+    train, dev = training_data(tmp_path, "classification", n_train=96, n_dev=32)
+    config = train_config(
+        min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr_search=[1e-2, 3e-3], restarts=2
+    )
     together = train_patch(tiny_encoder, train, dev, config)
     assert together.report["selection"]["tried"] == 4
     assert together.report["forward"] == "packed"
     alone = {}
     for lr in (1e-2, 3e-3):
         for seed in (config.seed, config.seed + 1):
-            one = _config(min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr=lr, seed=seed, restarts=1)
+            one = train_config(min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr=lr, seed=seed, restarts=1)
             alone[(lr, seed)] = train_patch(tiny_encoder, train, dev, one)
     for run in together.report["runs"]:
         ref = alone[(run["lr"], run["seed"])].report
@@ -324,7 +322,7 @@ def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder
     torch.testing.assert_close(together.patch.head_weight, best.patch.head_weight, rtol=0, atol=1e-5)
     if patience == 100:  # the padded model, one run: the same predictions (its key biases drift on rounding noise,
         # which Adam scales up, but no output depends on them)
-        one = _config(min_steps=24, eval_every=4, dropout=0.0, lr=1e-2, seed=config.seed, restarts=1)
+        one = train_config(min_steps=24, eval_every=4, dropout=0.0, lr=1e-2, seed=config.seed, restarts=1)
         padded = train_patch(tiny_encoder, train, dev, one, packed=False)
         assert padded.report["forward"] == "padded"
         ref = _dev_logits(alone[(1e-2, config.seed)], tiny_encoder, dev)
@@ -334,8 +332,8 @@ def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder
 def test_averaged_restarts_train_packed_as_padded_one_by_one(tmp_path, tiny_encoder):
     # small data: 3 automatic restarts, averaged; the padded model trains them one after another, each a model of
     # its own, and averages those models: the same patch as the packed runs' average
-    train, dev = _data(tmp_path, "classification", n_train=96, n_dev=32)
-    config = _config(min_steps=24, eval_every=4, dropout=0.0, restarts=None)
+    train, dev = training_data(tmp_path, "classification", n_train=96, n_dev=32)
+    config = train_config(min_steps=24, eval_every=4, dropout=0.0, restarts=None)
     packed = train_patch(tiny_encoder, train, dev, config)
     padded = train_patch(tiny_encoder, train, dev, config, packed=False)
     assert (packed.report["forward"], padded.report["forward"]) == ("packed", "padded")

@@ -10,6 +10,7 @@ import pytest
 
 from patches.bitfit import BIAS_SUBSETS
 from patches.format import KINDS, POOLINGS
+from patches.jobs import JobError, JobLimits
 from patches.train_config import (
     SELECTION_METRICS,
     BiasSubset,
@@ -75,3 +76,55 @@ def test_every_option_has_a_flag_on_train_and_submit(capsys):
             main([command, "--help"])
         shown = capsys.readouterr().out
         assert all(o.flag in shown for o in options()), command
+
+
+def test_mode_defaults_fill_what_the_config_leaves_open():
+    bitfit, full = TrainConfig(task="t").resolved(), TrainConfig(task="t", full=True).resolved()
+    assert (bitfit.lr, bitfit.epochs, bitfit.patience) == (3e-3, 10.0, 40)
+    assert (full.lr, full.epochs, full.patience) == (5e-5, 5.0, 6)
+    mine = TrainConfig(task="t", lr=1e-3, epochs=2, patience=3).resolved()
+    assert (mine.lr, mine.epochs, mine.patience) == (1e-3, 2, 3)
+
+
+def test_bad_configs_are_refused():
+    for bad in (
+        {"task": "../x"},
+        {"task": "t", "bias_subset": "keys"},
+        {"task": "t", "lr": -1.0},
+        {"task": "t", "epochs": 0},
+        {"task": "t", "dropout": 1.0},
+        {"task": "t", "head_lr": 0.0},
+        {"task": "t", "patience": 0},
+    ):
+        with pytest.raises(Exception):  # noqa: B017 - InvalidTaskNameError or JobError, each with a message
+            TrainConfig.from_dict(bad)
+    with pytest.raises(JobError, match="unknown fields"):
+        TrainConfig.from_dict({"task": "t", "learning_rate": 1e-3})
+
+
+def test_job_limits_count_the_automatic_restarts():
+    limits = JobLimits(max_updates=1500)
+    limits.check(TrainConfig(task="t"), 2000)  # 2,000 rows: 1 run of 10 epochs x 125 updates
+    with pytest.raises(JobError, match=r"1800 updates \(3 run\(s\) x 600\), over"):  # 100 rows: 3 automatic restarts
+        limits.check(TrainConfig(task="t"), 100)
+    limits.check(TrainConfig(task="t", restarts=1), 100)
+
+
+def test_scales_are_checked_and_refused_with_full_fine_tuning():
+    assert TrainConfig(task="t").scales == "none"
+    with pytest.raises(JobError, match="drop scales or full"):
+        TrainConfig.from_dict({"task": "t", "scales": "ia3", "full": True})
+    with pytest.raises(JobError, match="scales"):
+        TrainConfig.from_dict({"task": "t", "scales": "lora"})
+
+
+def test_retired_options_are_dropped_when_off_and_refused_otherwise():
+    """A job an earlier release queued holds every option it knew: the contrastive stage and distillation (since
+    removed) at their "off" values train as before; asked for, they are refused with the reason."""
+    queued = {"task": "t", "contrastive": 0, "distill": 0.0, "distill_temperature": 2.0}
+    assert TrainConfig.from_dict(queued) == TrainConfig(task="t")
+    for retired in ({"contrastive": 8}, {"distill": 0.5}):
+        with pytest.raises(JobError, match=rf"{next(iter(retired))} was removed .*docs/experiments.md"):
+            TrainConfig.from_dict({"task": "t"} | retired)
+    with pytest.raises(JobError, match=r"scales 'layernorm' .* was removed .*use 'none' or 'ia3'"):
+        TrainConfig.from_dict({"task": "t", "scales": "layernorm"})

@@ -65,8 +65,9 @@ def _train(args: argparse.Namespace) -> int:
     from patches.data import DataFile, load_splits
     from patches.encoder import load_encoder
     from patches.train_config import TrainConfig
+    from trainer.progress import progress_logger
     from trainer.report import write_json, write_png
-    from trainer.train import progress_logger, train_patch
+    from trainer.train import train_patch
 
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
@@ -143,7 +144,8 @@ def _eval(args: argparse.Namespace) -> int:
     from patches.encoder import load_encoder
     from patches.format import Patch
     from patches.model import TaskModel
-    from trainer.train import evaluate, featurize
+    from trainer.evaluation import evaluate
+    from trainer.features import featurize
 
     patch = Patch.read(args.patch)
     encoder = load_encoder(args.model)

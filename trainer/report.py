@@ -1,4 +1,5 @@
-"""The training report: JSON always, plus a PNG (learning curve + bias-movement heatmap) when matplotlib is there.
+"""The training report: what a job trained, chose and scored (``build``), and the patch it makes of the kept run
+(``patch_of``); written as JSON, plus a PNG (learning curve + bias-movement heatmap) when matplotlib is there.
 
 The heatmap shows mean |b_trained - b_base| per bias type x layer, like the BitFit paper's Figure 1, so a user
 sees at a glance what the task changed.
@@ -9,12 +10,139 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from patches.bitfit import ROLE_ORDER
+from torch import nn
+
+from patches.bitfit import ROLE_ORDER, SCALES, bias_parameters, bias_roles, extract_patch, ia3_roles, ia3_values
+from patches.data import Dataset
+from patches.encoder import Encoder
+from patches.errors import EncoderError
+from patches.format import BaseRef, Label, Patch, PatchMeta
+from patches.model import TaskModel
+from trainer.selection import Plan
 
 log = logging.getLogger(__name__)
+SHOWN_RUN = ("seed", "lr", "best_dev", "best_step", "steps", "seconds")  # what the report lists of every run
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the report says of the job as a whole."""
+
+    encoder: Encoder
+    kind: str
+    labels: Sequence[Label]
+    pooling: str
+    metric: str
+    max_len: int
+    train: Dataset
+    dev: Dataset
+    test: Dataset | None
+    plan: Plan
+    forward: str  # "packed" or "padded"
+    seconds: float
+
+
+def build(job: Job, kept: dict[str, Any], model: TaskModel, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report of a job whose ``kept`` run (a ``RunGroup.results()`` entry, its scores on the scored sets under
+    their names) became ``model``; ``runs``: what the report shows of every run."""
+    config, encoder = job.plan.config, job.encoder
+    report: dict[str, Any] = {
+        "task": config.task,
+        "kind": job.kind,
+        "mode": "full" if config.full else "bitfit",
+        "bias_subset": None if config.full else config.bias_subset,
+        "scales": None if config.full else config.scales,
+        "pooling": job.pooling,
+        "labels": job.labels,
+        "encoder": {"name": encoder.name, "fingerprint": encoder.fingerprint},
+        "train_rows": len(job.train),
+        "dev_rows": len(job.dev),
+        "test_rows": len(job.test) if job.test else 0,
+        **{k: kept[k] for k in ("lr", "head_lr", "seed", "steps", "planned_steps", "best_step", "trainable_params")},
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "metric": job.metric,
+        "dev": kept["best_dev"],
+        "selection": {
+            "metric": job.metric,
+            "restarts": config.restarts,
+            "restarts_why": job.plan.restarts_why,
+            "restarts_merge": config.restarts_merge,
+            "head_init": config.head_init,
+            "head_init_why": job.plan.head_init_why,
+            "checkpoint": config.checkpoint,
+            "checkpoint_why": job.plan.checkpoint_why,
+            "learning_rates": config.lr_search or [config.lr],
+            "tried": len(runs),
+        },
+        "seconds": job.seconds,
+        "forward": job.forward,
+        "history": kept["history"],
+        "runs": runs,
+        "config": asdict(config),
+    }
+    report |= {name: kept[name] for name in ("test", "heldout") if name in kept}
+    report["bias_movement"] = bias_movement(model.encoder, encoder.model)
+    if not config.full and config.scales == "ia3":
+        report["scale_movement"] = scale_movement(model.encoder)
+    return report
+
+
+def patch_of(job: Job, report: dict[str, Any], model: TaskModel, averaged: bool) -> Patch:
+    """The patch of the kept run: its biases (and scales) and head, and what it was trained with."""
+    config, encoder = job.plan.config, job.encoder
+    metrics = {f"dev_{k}": v for k, v in report["dev"].items()}
+    metrics.update({f"test_{k}": v for k, v in report.get("test", {}).items()})
+    training = {k: report[k] for k in ("lr", "seed", "steps", "train_rows", "seconds", "trainable_params", "metric")}
+    training["restarts"] = config.restarts
+    if averaged:
+        training["restarts_merge"] = "average"
+    if config.head_init == "labels":
+        training["head_init"] = "labels"
+    meta = PatchMeta(
+        task=config.task,
+        kind=job.kind,
+        labels=list(job.labels) if job.kind != "regression" else [],
+        base=BaseRef(encoder.name, encoder.fingerprint),
+        bias_subset=config.bias_subset,
+        patch_type=SCALES[config.scales],
+        pooling=job.pooling,
+        max_seq_length=job.max_len,
+        text_pair=job.train.is_pair,
+        metrics=metrics,
+        training=training,
+    )
+    return extract_patch(model.encoder.cpu(), model.head.cpu(), meta)
+
+
+def bias_movement(trained: nn.Module, base: nn.Module) -> dict[str, dict[str, float]]:
+    """mean |b_trained - b_base| per bias role and layer (the BitFit paper's Figure 1)."""
+    try:
+        roles = bias_roles(base)
+    except EncoderError:
+        return {}
+    now, then = bias_parameters(trained), bias_parameters(base)
+    out: dict[str, dict[str, float]] = {}
+    for name, role in roles.items():
+        if name in now:
+            delta = (now[name].detach().cpu().float() - then[name].detach().cpu().float()).abs().mean()
+            out.setdefault(role.role, {})["-" if role.layer is None else str(role.layer)] = float(delta)
+    return out
+
+
+def scale_movement(trained: nn.Module) -> dict[str, dict[str, float]]:
+    """mean |s - 1| of each (IA)^3 scale of a plain model (``apply_values`` set them), by its role (k, v, ff: the
+    key, value and feed-forward intermediate) and layer, as ``bias_movement`` gives the biases'."""
+    roles = ia3_roles(trained)
+    out: dict[str, dict[str, float]] = {}
+    for name, scale in ia3_values(trained).items():
+        role = roles[name]
+        out.setdefault(role.role, {})[str(role.layer)] = float((scale.detach().cpu().float() - 1).abs().mean())
+    return out
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

@@ -30,7 +30,9 @@ from patches.packed import PackedBert, packed_unsupported
 from patches.packed_model import training_bert
 from patches.store import Registry
 from patches.train_config import TrainConfig
-from trainer.train import JointTrainer, PatchTraining, TrainingStopped, TrainResult, progress_line
+from trainer.joint import JointTrainer
+from trainer.progress import TrainingStopped, progress_line
+from trainer.train import PatchTraining, TrainResult
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0  # seconds between progress lines in the log
@@ -157,7 +159,7 @@ class Worker:
     def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
         """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled.
 
-        Up to ``concurrent_jobs`` jobs train at once, in one batch (``trainer.train.JointTrainer``): a job claimed
+        Up to ``concurrent_jobs`` jobs train at once, in one batch (``trainer.joint.JointTrainer``): a job claimed
         while others train joins at their next update, and one that ends leaves without stopping the others.
         Setting ``stop`` (SIGTERM in ``patchserve worker``) also stops every job in training within a second or so
         and hands it back to the queue, where the next free worker takes it at once."""
