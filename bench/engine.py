@@ -49,7 +49,8 @@ from patches.encoder import Encoder, load_encoder
 from patches.format import Patch
 from patches.model import pool
 from patches.synthetic import random_patch
-from server.engine.runner import Row, Runner
+from server.engine.protocol import Row
+from server.engine.runner import Runner
 
 OUT = ROOT / "docs" / "benchmarks"
 PATHS = ("plain", "naive", "engine", "engine_ia3")

@@ -67,7 +67,8 @@ from patches.encoder import Encoder, load_encoder
 from patches.format import Patch
 from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, wait_ready
-from server.engine.runner import Row, Runner
+from server.engine.protocol import Row
+from server.engine.runner import Runner
 from server.settings import available_cpus, default_workers
 
 KEYS = ("workers", "concurrency", "tasks", "inputs")

@@ -41,9 +41,9 @@ from server.deps import EncoderInfo, Service
 from server.embeddings import router as embeddings_router
 from server.engine.batcher import OverloadedError
 from server.engine.local import LocalEngine
+from server.engine.patch_cache import PatchCache
 from server.engine.protocol import EngineError, EngineUnavailableError
 from server.engine.remote import RemoteEngine
-from server.engine.slots import PatchCache
 from server.inference import ClientGoneError
 from server.metrics import Metrics
 from server.middleware import RequestGuard, body_too_large, error_response

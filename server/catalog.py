@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from patches.errors import PatchServeError
 from patches.format import BaseSpec, Patch
 from patches.store import Change, Registry, VersionInfo, diff_snapshots
-from server.engine.slots import PatchCache
+from server.engine.patch_cache import PatchCache
 
 log = logging.getLogger(__name__)
 

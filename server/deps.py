@@ -16,8 +16,7 @@ from patches.format import BaseSpec
 from patches.jobs import JobQueue
 from patches.store import Registry
 from server.catalog import Catalog
-from server.engine.protocol import Info
-from server.engine.runner import Row
+from server.engine.protocol import Info, Row
 from server.metrics import Metrics
 from server.settings import ServerSettings
 

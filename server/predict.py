@@ -9,7 +9,7 @@ import numpy as np
 
 from patches.api import LabelScore, PairInput, Prediction, TokenPrediction
 from patches.format import Patch
-from server.engine.runner import Row
+from server.engine.protocol import Row
 
 
 class InputError(ValueError):

@@ -73,10 +73,9 @@ def test_server_holds_and_serves_10000_bert_base_tasks_in_half_precision(bert_ba
             runner = client.app.state.service.engine.runner
             # every task resident at once, in half-precision banks under 2 GB
             assert len(runner.slots) == N_TASKS and runner.slots.stats.misses == N_TASKS
-            per_task = (
-                runner.packed.bank_bytes_per_slot + runner.head_bank.weight[0].nbytes + runner.head_bank.bias[0].nbytes
-            )
-            assert runner.packed.banks["0.qkv"].dtype == torch.bfloat16
+            packed, heads = runner.backend.packed, runner.backend.head_bank
+            per_task = packed.bank_bytes_per_slot + heads.weight[0].nbytes + heads.bias[0].nbytes
+            assert per_task == runner.slot_bytes and packed.banks["0.qkv"].dtype == torch.bfloat16
             assert per_task * N_TASKS < 2e9, f"{per_task} bytes per task"
 
             served = {}

@@ -14,7 +14,8 @@ import torch
 
 from patches.encoder import load_encoder
 from patches.model import TaskModel, pool
-from server.engine.runner import Row, Runner
+from server.engine.protocol import Row
+from server.engine.runner import Runner
 from tests.helpers import make_patch, served
 
 TEXTS = ["the good movie", "a bad film", "what a boring plot"]

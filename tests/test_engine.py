@@ -11,9 +11,12 @@ import torch
 
 from patches.encoder import load_encoder
 from patches.model import TaskModel
-from server.engine.runner import DTYPES, Row, Runner
-from server.engine.slots import PatchCache, SlotManager, SlotsExhaustedError
-from server.engine.slotted import SlottedLinear
+from server.engine.packed_backend import PackedBackend
+from server.engine.patch_cache import PatchCache
+from server.engine.protocol import Row
+from server.engine.runner import DTYPES, Runner
+from server.engine.slots import SlotManager, SlotsExhaustedError
+from server.engine.slotted import SlottedBackend, SlottedLinear
 from tests.helpers import make_patch
 
 SENTENCES = [
@@ -69,9 +72,10 @@ def test_mixed_batch_equals_each_task_alone(tiny_bert_dir, tiny_encoder, task_pa
 
 def _scale_banks(runner: Runner) -> int:
     """How many per-slot (IA)^3 scale banks the engine holds."""
-    if runner.packed is not None:
-        return sum(k.endswith((".s", ".si")) for k in runner.packed.banks)
-    return sum(getattr(m, "scale", None) is not None for m in runner.model.modules())
+    if isinstance(runner.backend, PackedBackend):
+        return sum(k.endswith((".s", ".si")) for k in runner.backend.packed.banks)
+    assert isinstance(runner.backend, SlottedBackend)
+    return sum(getattr(m, "scale", None) is not None for m in runner.backend.model.modules())
 
 
 @pytest.mark.parametrize("simplify", [True, False], ids=["drop-k+fold-v", "plain-banks"])
@@ -145,7 +149,8 @@ def test_sentence_pairs(tiny_bert_dir, tiny_encoder):
 
 def test_key_bias_is_dropped_and_value_bias_folded(tiny_bert_dir):
     runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2, engine="slotted")
-    layer = runner.model.encoder.layer[0]
+    assert isinstance(runner.backend, SlottedBackend)
+    layer = runner.backend.model.encoder.layer[0]
     assert isinstance(layer.attention.self.key, SlottedLinear) and layer.attention.self.key.bank is None
     assert layer.attention.self.value.bank is None
     assert layer.attention.self.query.bank is not None and layer.attention.output.dense.bank is not None

@@ -11,7 +11,10 @@ import torch
 from patches.encoder import load_encoder
 from patches.model import TaskModel, pool
 from patches.packed import PackedBert, packed_unsupported
-from server.engine.runner import DTYPES, Row, Runner
+from server.engine.packed_backend import PackedBackend
+from server.engine.protocol import Row
+from server.engine.runner import DTYPES, Runner
+from server.engine.slotted import SlottedBackend
 from tests.helpers import make_patch
 from tests.test_engine import SENTENCES, _reference, _rows
 
@@ -53,7 +56,7 @@ def test_each_fold_is_exact_in_a_mixed_batch(tiny_bert_dir, tiny_encoder, task_p
         fold_value_bias=fold_v,
         fold_ln_bias=fold_ln,
     )
-    assert runner.packed is not None
+    assert isinstance(runner.backend, PackedBackend)
     rows = _mixed_rows(tiny_encoder, task_patches)
     rows.append(Row(rows[0].input_ids, rows[0].token_type_ids, None, output="embedding"))  # the base encoder
     rows.append(Row(rows[1].input_ids, rows[1].token_type_ids, rows[1].patch, output="embedding"))
@@ -90,10 +93,10 @@ def test_head_bank_grows_for_a_task_with_more_labels(tiny_bert_dir, tiny_encoder
     small = make_patch(tiny_encoder, "small", seed=1)
     wide = make_patch(tiny_encoder, "wide", seed=2, labels=[f"l{i}" for i in range(40)])
     first = runner.run(_rows(tiny_encoder, small, ["the movie"]))
-    before = runner.head_bank.generation
+    before = runner.backend.head_bank.generation
     rows = _rows(tiny_encoder, small, ["the movie"]) + _rows(tiny_encoder, wide, ["a bad film"])
     got = runner.run(rows)
-    assert runner.head_bank.generation > before and got[1].shape == (40,)
+    assert runner.backend.head_bank.generation > before and got[1].shape == (40,)
     torch.testing.assert_close(got[0], first[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[1], _reference(tiny_encoder.model, wide, rows[1]), rtol=0, atol=1e-5)
 
@@ -101,7 +104,7 @@ def test_head_bank_grows_for_a_task_with_more_labels(tiny_bert_dir, tiny_encoder
 def test_other_architectures_use_the_slotted_engine(tiny_bert_dir):
     assert packed_unsupported(torch.nn.Linear(2, 2)) is not None
     runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2, engine="slotted")
-    assert runner.packed is None
+    assert isinstance(runner.backend, SlottedBackend)
     with pytest.raises(ValueError, match="engine must be one of"):
         Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2, engine="fast")
 
@@ -113,7 +116,7 @@ def test_cuda_graphs_serve_any_mix_exactly(minilm):
     mean error. A bitfit-ia3 patch joins after the first batch: its scale banks replace the graphs' inputs, so they
     are captured again (into a fresh memory pool)."""
     runner = Runner(load_encoder("default"), device="cuda", dtype="float16", slots=16)
-    assert runner.graphs is not None
+    assert runner.backend.graphs is not None
     patches = [
         make_patch(minilm, f"t{i}", seed=i, scale=0.05, subset=("all", "query-intermediate")[i % 2]) for i in range(6)
     ]
@@ -132,11 +135,11 @@ def test_cuda_graphs_serve_any_mix_exactly(minilm):
             rows += _rows(minilm, rng.choice(patches if trial == 0 else [*patches, gained]), [rng.choice(texts)])
         if trial > 0:
             rows += _rows(minilm, gained, [rng.choice(texts)])
-        generation = runner.graphs.generation
+        generation = runner.backend.graphs.generation
         got = runner.run(rows)
-        assert runner.graphs is not None, "CUDA graphs were turned off (a capture failed: see the log)"
+        assert runner.backend.graphs is not None, "CUDA graphs were turned off (a capture failed: see the log)"
         if trial == 1:  # the first bitfit-ia3 patch: scale banks, so the graphs read new tensors
-            assert runner.packed is not None and runner.packed.scales and runner.graphs.generation != generation
+            assert runner.backend.packed.scales and runner.backend.graphs.generation != generation
         for row, out in zip(rows, got, strict=True):
             ref = _reference(minilm.model, row.patch, row)
             ids = torch.tensor([row.input_ids], device="cuda")
@@ -148,7 +151,7 @@ def test_cuda_graphs_serve_any_mix_exactly(minilm):
     mean = {k: sum(v) / len(v) for k, v in errors.items()}
     assert mean["engine"] <= 1.25 * mean["plain"], mean
     assert max(errors["engine"]) <= 2 * max(errors["plain"]), errors
-    assert len(runner.graphs._graphs) >= 1
+    assert len(runner.backend.graphs._graphs) >= 1
 
 
 @pytest.mark.parametrize(

@@ -24,10 +24,10 @@ from fastapi.testclient import TestClient
 from patches.store import open_registry
 from server.app import create_app
 from server.engine.local import LocalEngine
+from server.engine.patch_cache import PatchCache
 from server.engine.process import EngineServer, engine_info
+from server.engine.protocol import Row
 from server.engine.remote import RemoteEngine
-from server.engine.runner import Row
-from server.engine.slots import PatchCache
 from server.metrics import Metrics
 from server.settings import ServerSettings, available_cpus
 from tests.helpers import free_port, make_patch, patchserve_process, wait_ready

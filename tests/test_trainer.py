@@ -282,7 +282,8 @@ def test_a_dev_set_too_small_to_rank_checkpoints_keeps_the_last_one(tmp_path, ti
 def _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, labels) -> None:
     """Served by the engine in one batch, the result's patch answers every dev row as the trained model does."""
     from patches.encoder import load_encoder
-    from server.engine.runner import Row, Runner
+    from server.engine.protocol import Row
+    from server.engine.runner import Runner
 
     feats = featurize(tiny_encoder.tokenizer, dev, labels, 32)
     served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(

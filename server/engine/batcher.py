@@ -24,7 +24,9 @@ from typing import TypeVar
 
 import torch
 
-from server.engine.runner import Pending, Row, Runner
+from server.engine.backend import Pending
+from server.engine.protocol import Row
+from server.engine.runner import Runner
 from server.engine.slots import SlotsExhaustedError
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,7 @@ class Batcher:
     def _tokens(self, rows: Sequence[Row]) -> int:
         """What a batch costs against the token budget: its real tokens on the packed engine (no padding), its
         padded ones on the slotted engine."""
-        if self.runner.packed is not None:
+        if self.runner.padding_free:
             return sum(len(r.input_ids) for r in rows)
         return len(rows) * max(len(r.input_ids) for r in rows)
 
@@ -136,7 +138,7 @@ class Batcher:
             return []
         anchor = window[0]
         size = len(anchor.row.input_ids)
-        packed = self.runner.packed is not None
+        packed = self.runner.padding_free
         batch, patches = [anchor], {anchor.row.key}
         tokens, longest = size, size  # what _tokens() would say of the batch, kept as it grows (not O(batch²))
         for item in sorted(window[1:], key=lambda i: abs(len(i.row.input_ids) - size)):

@@ -16,7 +16,8 @@ import numpy as np
 from patches.encoder import Encoder
 from patches.format import Patch
 from server.engine.batcher import Batcher, BatchStats
-from server.engine.runner import Row, Runner
+from server.engine.protocol import Row
+from server.engine.runner import Runner
 from server.metrics import Metrics
 from server.settings import ServerSettings
 

@@ -38,6 +38,7 @@ from server.catalog import Catalog
 from server.engine.batcher import OverloadedError
 from server.engine.channel import Channel
 from server.engine.local import LocalEngine
+from server.engine.patch_cache import PatchCache
 from server.engine.protocol import (
     BASE_KEY,
     Cancel,
@@ -47,11 +48,11 @@ from server.engine.protocol import (
     Info,
     Missing,
     Outputs,
+    Row,
     encode,
     to_engine,
 )
-from server.engine.runner import Row
-from server.engine.slots import PatchCache, SlotsExhaustedError
+from server.engine.slots import SlotsExhaustedError
 from server.metrics import Metrics
 from server.settings import ServerSettings
 

@@ -1,6 +1,7 @@
-"""The contract between the HTTP front ends and the engine process: msgspec structs, sent as MessagePack over a
-ZeroMQ DEALER (each front end) / ROUTER (the engine) pair. Never pickle: every message is one of the structs below,
-decoded strictly.
+"""The engine's message types: a ``Row`` (one tokenised input for one task, what the batcher queues and the runner
+runs), and the contract between the HTTP front ends and the engine process: msgspec structs, sent as MessagePack
+over a ZeroMQ DEALER (each front end) / ROUTER (the engine) pair. Never pickle: every message is one of the structs
+below, decoded strictly.
 
 Front end -> engine: ``Hello`` (answered by ``Info``), ``Infer`` (answered by ``Outputs``, ``Missing`` or
 ``Failed``, with the same ``id``) and ``Cancel`` (the client went away or timed out: its rows are dropped before
@@ -11,7 +12,11 @@ answers ``Missing`` (it restarted, or evicted the patch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
+
+from patches.format import Patch
 
 
 class EngineUnavailableError(RuntimeError):
@@ -28,6 +33,28 @@ class EngineError(RuntimeError):
 
 
 BASE_KEY = "base"  # a row without a patch runs on the base encoder (embeddings); patch ids are "sha256:..."
+
+
+@dataclass
+class Row:
+    """One tokenised input for one task (``patch``, resolved when the request arrives: hot swap semantics), or for
+    the base encoder (``patch`` None, embeddings only). ``output``: the head's ``logits`` or the pooled
+    ``embedding``."""
+
+    input_ids: list[int]
+    token_type_ids: list[int]
+    patch: Patch | None
+    output: str = "logits"
+
+    @property
+    def key(self) -> str:
+        """Which biases the row runs with: its patch id, or BASE_KEY."""
+        return BASE_KEY if self.patch is None else self.patch.patch_id
+
+    @property
+    def tags(self) -> bool:
+        """True when the row's answer is per-token logits (a tagging patch asked for logits)."""
+        return self.output == "logits" and self.patch is not None and self.patch.meta.kind == "token-classification"
 
 
 class RowIn(msgspec.Struct, array_like=True, frozen=True):

@@ -31,11 +31,11 @@ from server.engine.protocol import (
     Info,
     Missing,
     Outputs,
+    Row,
     RowIn,
     encode,
     from_engine,
 )
-from server.engine.runner import Row
 
 log = logging.getLogger(__name__)
 

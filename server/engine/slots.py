@@ -1,17 +1,14 @@
-"""Which patch sits in which device slot, and a host-memory cache of parsed patches in front of the registry.
+"""Which patch sits in which device slot: LRU over idle slots, pinned while a batch uses them.
 
-Both are keyed by patch id (a content hash), so a re-registered task never serves stale weights: its new version
+Slots are keyed by patch id (a content hash), so a re-registered task never serves stale weights: its new version
 has a new id and lands in a new slot, while in-flight batches finish on the old one.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from patches.format import Patch
 
 
 class SlotsExhaustedError(RuntimeError):
@@ -98,32 +95,3 @@ class SlotManager:
                 self.stats.evictions += 1
                 return self._slot_of.pop(pid)
         raise SlotsExhaustedError(f"all {self.capacity} slots are in use by in-flight batches")
-
-
-class PatchCache:
-    """LRU of parsed patches by id, bounded in bytes; thread-safe (request handlers fill it from threads)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[str, Patch] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, patch_id: str) -> Patch | None:
-        with self._lock:
-            patch = self._items.get(patch_id)
-            if patch is not None:
-                self._items.move_to_end(patch_id)
-            return patch
-
-    def put(self, patch: Patch) -> None:
-        size = len(patch.data)
-        with self._lock:
-            if patch.patch_id in self._items:
-                self._items.move_to_end(patch.patch_id)
-                return
-            self._items[patch.patch_id] = patch
-            self._bytes += size
-            while self._bytes > self.max_bytes and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= len(old.data)

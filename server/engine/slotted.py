@@ -18,7 +18,7 @@ scaled intermediate's product).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +27,10 @@ from torch import nn
 
 from patches.bitfit import bias_roles, ia3_roles
 from patches.errors import EncoderError, PatchKeysError
+from patches.format import Patch
+from patches.model import pool
+from server.engine.backend import Pending
+from server.engine.protocol import Row
 
 
 class SlotIndex:
@@ -217,3 +221,97 @@ def write_slot(
             s_v = v_linear.scale[slot] if isinstance(v_linear, SlottedLinear) and v_linear.scale is not None else None
             value = _folded(site, sites, value, None if b_v is None else b_v.to(site.base.device), s_v)
         site.bank[slot].copy_(value)
+
+
+class SlottedBackend:
+    """``n_banks`` bank rows (the slots and the base encoder's) in the slotted layers of ``model`` (an HF encoder on
+    its device, rewritten in place), each slot's head as its own tensors. A batch is padded and run synchronously;
+    rows of one slot and one output share the pooling and the head."""
+
+    padding_free = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_banks: int,
+        *,
+        base_pooling: str,
+        pad_id: int,
+        uses_token_types: bool,
+        drop_key_bias: bool = True,
+        fold_value_bias: bool = True,
+    ) -> None:
+        self.model, self.base_pooling, self.pad_id = model, base_pooling, pad_id
+        self.uses_token_types = uses_token_types
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.index, self.sites = install_slots(
+            model, n_banks, drop_key_bias=drop_key_bias, fold_value_bias=fold_value_bias
+        )
+        self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes one resident task takes: its rows of the bias (and scale) banks; each head is its own."""
+        scales = [m.scale for m in self.model.modules() if isinstance(m, SlottedLinear) and m.scale is not None]
+        banks = [site.bank for site in self.sites.values() if site.bank is not None]
+        return sum(bank[0].nbytes for bank in [*banks, *scales])
+
+    def load(self, items: Sequence[tuple[int, Patch]]) -> None:
+        for slot, patch in items:
+            write_slot(self.sites, slot, patch.biases, patch.scales)
+            self.heads[slot] = (
+                patch.head_weight.to(self.device, self.dtype),
+                patch.head_bias.to(self.device, self.dtype),
+            )
+
+    def launch(self, rows: Sequence[Row], row_slots: Sequence[int], patch_ids: list[str]) -> Pending:
+        return Pending(patch_ids, outputs=self._forward(rows, row_slots))
+
+    def finish(self, pending: Pending) -> list[torch.Tensor]:
+        assert pending.outputs is not None
+        return pending.outputs
+
+    def _forward(self, rows: Sequence[Row], slots: Sequence[int]) -> list[torch.Tensor]:
+        n, t = len(rows), max(len(r.input_ids) for r in rows)
+        ids = torch.full((n, t), self.pad_id, dtype=torch.long)
+        types = torch.zeros((n, t), dtype=torch.long)
+        mask = torch.zeros((n, t), dtype=torch.long)
+        for i, r in enumerate(rows):
+            k = len(r.input_ids)
+            ids[i, :k] = torch.tensor(r.input_ids)
+            types[i, :k] = torch.tensor(r.token_type_ids)
+            mask[i, :k] = 1
+        ids, types, mask = ids.to(self.device), types.to(self.device), mask.to(self.device)
+        self.index.rows = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [B]
+        kwargs = {"token_type_ids": types} if self.uses_token_types else {}
+        out = self.model(input_ids=ids, attention_mask=mask, **kwargs)
+        hidden = out.last_hidden_state  # [B, T, H]
+        pooler = getattr(out, "pooler_output", None)  # [B, H] or None
+        results: list[torch.Tensor | None] = [None] * n
+        groups: dict[tuple[int, str], list[int]] = {}  # rows of one slot and one output share the work
+        for i, (s, r) in enumerate(zip(slots, rows, strict=True)):
+            groups.setdefault((s, r.output), []).append(i)
+        for (slot, output), members in groups.items():
+            patch = rows[members[0]].patch
+            sel = torch.tensor(members, device=self.device)
+            if rows[members[0]].tags:
+                w, b = self.heads[slot]
+                logits = F.linear(hidden.index_select(0, sel), w, b)  # [n, T, C]
+                for j, i in enumerate(members):
+                    results[i] = logits[j, : len(rows[i].input_ids)].float().cpu()
+                continue
+            pooled = pool(
+                self.base_pooling if patch is None else patch.meta.pooling,
+                hidden.index_select(0, sel),
+                mask.index_select(0, sel),
+                None if pooler is None else pooler.index_select(0, sel),
+            )  # [n, H]
+            if output == "logits":
+                w, b = self.heads[slot]
+                pooled = F.linear(pooled, w, b)  # [n, C]
+            values = pooled.float().cpu()
+            for j, i in enumerate(members):
+                results[i] = values[j]
+        self.index.rows = None
+        return [r for r in results if r is not None]

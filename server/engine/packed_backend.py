@@ -1,0 +1,165 @@
+"""The packed backend: BERT encoders served padding-free (``patches/packed.py``), every task's folded biases and
+head in banks gathered per row, one batch a fixed sequence of device ops that CUDA graphs capture on a GPU."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from patches.format import Patch
+from patches.packed import (
+    POOL_MODES,
+    HeadBank,
+    PackedBert,
+    add_exact_attention,
+    batch_views,
+    fill_layout,
+    layout_size,
+)
+from server.engine.backend import Pending
+from server.engine.graphs import GraphSet
+from server.engine.protocol import Row
+
+log = logging.getLogger(__name__)
+
+
+class PackedBackend:
+    """``n_banks`` bank rows (the slots and the base encoder's) over ``model`` on its device and dtype. On CUDA in
+    half precision, flash attention over the packed rows and, with ``cuda_graphs``, captured forwards per
+    token-count bucket; elsewhere the exact attention path. ``overlap``: a launch on CUDA returns before the device
+    has finished (``finish`` waits on an event)."""
+
+    padding_free = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_banks: int,
+        *,
+        hidden_size: int,
+        max_positions: int,
+        base_pooling: str,
+        fill_slot: int,
+        drop_key_bias: bool = True,
+        fold_value_bias: bool = True,
+        fold_ln_bias: bool = True,
+        cuda_graphs: bool = True,
+        overlap: bool = False,
+        max_rows: int = 256,
+        max_tokens: int = 8192,
+    ) -> None:
+        self.packed = PackedBert(
+            model, n_banks, drop_key_bias=drop_key_bias, fold_value_bias=fold_value_bias, fold_ln_bias=fold_ln_bias
+        )
+        self.device, self.dtype = self.packed.device, self.packed.dtype
+        self.head_bank = HeadBank(n_banks, hidden_size, self.device, self.dtype)
+        self.base_pooling, self.fill_slot, self.overlap = base_pooling, fill_slot, overlap
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        self.attention = "flash" if self.device.type == "cuda" and half else "exact"
+        self.graphs: GraphSet | None = None
+        if self.attention == "flash" and cuda_graphs:
+            self.graphs = GraphSet(
+                self.packed, self.head_bank, max_rows=max_rows, max_tokens=max_tokens, max_positions=max_positions
+            )
+            try:
+                self.graphs.warm()
+            except RuntimeError as exc:
+                self._drop_graphs(exc)
+        elif self.device.type == "cuda":
+            why = "turned off" if half else f"flash attention needs half precision, not {self.dtype}"
+            log.info("runner: no CUDA graphs (%s)", why)
+        log.info(
+            "runner: packed engine (%s attention, %d bias vectors per layer, CUDA graphs %s)",
+            self.attention,
+            self.packed.vectors_per_layer,
+            "on" if self.graphs else "off",
+        )
+
+    def _drop_graphs(self, exc: Exception) -> None:
+        log.warning("CUDA graphs off, running the packed forward eagerly: capture failed (%s)", exc)
+        self.graphs = None
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes one resident task takes: its rows of the bias banks and of the heads."""
+        return self.packed.bank_bytes_per_slot + self.head_bank.weight[0].nbytes + self.head_bank.bias[0].nbytes
+
+    def load(self, items: Sequence[tuple[int, Patch]]) -> None:
+        """Fold every patch's biases in one pass and write them and the heads into their slots."""
+        self.packed.write_slots([slot for slot, _ in items], [p.values for _, p in items])
+        for slot, patch in items:
+            self.head_bank.write(slot, patch.head_weight, patch.head_bias)
+
+    def launch(self, rows: Sequence[Row], row_slots: Sequence[int], patch_ids: list[str]) -> Pending:
+        """One forward of ``rows``: pooled vectors and head logits of every row, per-token logits of tagging rows,
+        copied to the host in one transfer (waited for here, or with ``overlap`` on CUDA in ``finish``)."""
+        ids = [r.input_ids for r in rows]
+        types = [r.token_type_ids for r in rows]
+        lengths = [len(x) for x in ids]
+        modes = [POOL_MODES[self.base_pooling if r.patch is None else r.patch.meta.pooling] for r in rows]
+        n_real, n_rows = sum(lengths), len(rows)
+        cuda = self.device.type == "cuda"
+        bucket = self.graphs.bucket(n_real, n_rows) if self.graphs is not None else None
+        graphed = None
+        if self.graphs is not None and bucket is not None:
+            staging = self.graphs.staging(bucket)
+            fill_layout(staging.numpy(), ids, types, list(row_slots), modes, bucket, self.graphs.rows, self.fill_slot)
+            try:
+                graphed = self.graphs.run(bucket, staging)
+            except RuntimeError as exc:  # a capture this torch/driver cannot do: serve eagerly from now on
+                self._drop_graphs(exc)
+        if graphed is not None:
+            hidden, pooled = graphed
+        else:
+            flat = torch.empty(layout_size(n_real, n_rows), dtype=torch.int32, pin_memory=cuda)
+            fill_layout(flat.numpy(), ids, types, list(row_slots), modes, n_real, n_rows, self.fill_slot)
+            batch = batch_views(flat.to(self.device, non_blocking=True), n_real, n_rows, max(lengths))
+            if self.attention == "exact":
+                add_exact_attention(batch, lengths)
+            hidden = self.packed.encode(batch, self.attention)
+            pooled = self.packed.pool(hidden, batch, self.head_bank)
+        pooled = pooled[:n_rows]
+        tagging = [i for i, r in enumerate(rows) if r.tags]
+        parts = [pooled.flatten()]
+        if tagging:  # per-token logits of the tagging rows only, from the same bank of heads
+            starts = [0, *itertools.accumulate(lengths)]
+            tokens = [t for i in tagging for t in range(starts[i], starts[i + 1])]
+            tok_slots = [row_slots[i] for i in tagging for _ in range(lengths[i])]
+            idx = torch.tensor([tokens, tok_slots], dtype=torch.long).to(self.device)
+            parts.append(self.packed.tag(hidden, idx[0], idx[1], self.head_bank).flatten())
+        flat_out = torch.cat(parts).float()
+        width = int(pooled.shape[1])
+        if not (cuda and self.overlap):  # the batch's one device-to-host copy, waited for here
+            return Pending(patch_ids, rows=list(rows), host=flat_out.cpu(), width=width)
+        host = torch.empty(flat_out.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(flat_out, non_blocking=True)  # the batch's one device-to-host copy, waited for in finish()
+        done = torch.cuda.Event()
+        done.record()
+        return Pending(patch_ids, rows=list(rows), host=host, width=width, done=done)
+
+    def finish(self, pending: Pending) -> list[torch.Tensor]:
+        """Each row's output from the batch's flat host copy: its pooled vector (an embedding, or a row without a
+        patch), its per-token logits (tagging) or its head's logits."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        rows, host, width, h = pending.rows, pending.host, pending.width, self.packed.hidden
+        assert host is not None
+        n_rows = len(rows)
+        table = host[: n_rows * width].view(n_rows, width)
+        results: list[torch.Tensor] = []
+        tag_at, tag_width = n_rows * width, width - h
+        for i, r in enumerate(rows):
+            if r.output == "embedding" or r.patch is None:
+                results.append(table[i, :h].clone())
+            elif r.tags:
+                n_out, k = r.patch.head_weight.shape[0], len(r.input_ids)
+                block = host[tag_at : tag_at + k * tag_width].view(k, tag_width)
+                results.append(block[:, :n_out].clone())
+                tag_at += k * tag_width
+            else:
+                results.append(table[i, h : h + r.patch.head_weight.shape[0]].clone())
+        return results
