@@ -26,7 +26,7 @@ COPY patchserve ./patchserve
 RUN pip install ".[plot]"
 # Load the default encoder once: proves it is baked in and caches its fingerprint for fast starts.
 ENV XDG_CACHE_HOME=/opt/patchserve/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-RUN python -c "from patches.encoder import load_encoder; print(load_encoder('default').fingerprint)"
+RUN python -c "from patchserve.patches.encoder import load_encoder; print(load_encoder('default').fingerprint)"
 
 FROM python:${PYTHON_VERSION}-slim AS runtime
 RUN useradd --system --uid 10001 --create-home --home-dir /home/patchserve patchserve \

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from sklearn.linear_model import LogisticRegression
 
-from patches.data import Dataset
-from patches.encoder import Encoder
-from patches.format import Label
-from trainer.evaluation import unit_vectors
-from trainer.features import IGNORE, collate, featurize
-from trainer.metrics import spearman
+from patchserve.patches.data import Dataset
+from patchserve.patches.encoder import Encoder
+from patchserve.patches.validation import Label
+from patchserve.trainer.evaluation import unit_vectors
+from patchserve.trainer.features import IGNORE, collate, featurize
+from patchserve.trainer.metrics import spearman
 
 # What each baseline is, as the tables show it in place of "settings that differ from today's defaults".
 BASELINES = {
@@ -98,8 +98,8 @@ def word_vectors(
     encoder: Encoder, ds: Dataset, tags: Sequence[Label], device: torch.device, batch_size: int = 64
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each word of a tagging set as the frozen encoder's L2-normalised output at its first subword, the word a
-    trained patch's head sees (``trainer.features.featurize``'s rule; words past the trainer's 128 tokens are cut as
-    it cuts them), and its tag's index in ``tags``: ([words, hidden] float32, [words])."""
+    trained patch's head sees (``patchserve.trainer.features.featurize``'s rule; words past the trainer's 128 tokens
+    are cut as it cuts them), and its tag's index in ``tags``: ([words, hidden] float32, [words])."""
     feats = featurize(encoder.tokenizer, ds, tags, MAX_LENGTH)
     model = encoder.model.to(device).eval()
     xs, ys = [], []

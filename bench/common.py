@@ -42,8 +42,8 @@ def random_bert_folder(folder: Path, seed: int = 0, **config: Any) -> Path:
     tokens), saved as a Hugging Face folder: real tokenising, synthetic weights."""
     from transformers import AutoTokenizer
 
-    from patches.encoder import default_encoder_path
-    from patches.synthetic import random_bert
+    from patchserve.patches.encoder import default_encoder_path
+    from patchserve.patches.synthetic import random_bert
 
     return random_bert(folder, AutoTokenizer.from_pretrained(default_encoder_path()), seed=seed, **config)
 
@@ -96,7 +96,7 @@ def machine() -> dict[str, Any]:
     """Where and with what a benchmark ran: recorded with every result line."""
     import torch
 
-    from patches import __version__
+    from patchserve import __version__
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
@@ -130,7 +130,7 @@ def server_figures(metrics_text: str) -> dict[str, float]:
 
 def fill_registry(url: str, patches: Iterable[Any]) -> float:
     """Register ``patches`` straight into the registry at ``url`` (no server); returns the seconds it took."""
-    from patches.store import open_registry
+    from patchserve.patches.store import open_registry
 
     registry = open_registry(url)
     t0 = time.perf_counter()

@@ -44,13 +44,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import sentences
-from patches.bitfit import apply_values, base_biases
-from patches.encoder import Encoder, load_encoder
-from patches.format import Patch
-from patches.model import pool
-from patches.synthetic import random_patch
-from server.engine.protocol import Row
-from server.engine.runner import Runner
+from patchserve.patches.bitfit import apply_values, base_biases
+from patchserve.patches.encoder import Encoder, load_encoder
+from patchserve.patches.format import Patch
+from patchserve.patches.model import pool
+from patchserve.patches.synthetic import random_patch
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import Runner
 
 OUT = ROOT / "docs" / "benchmarks"
 PATHS = ("plain", "naive", "engine", "engine_ia3")

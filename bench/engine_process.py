@@ -7,11 +7,11 @@ alone on the same model and rows.
 
 Why: on an H100 (docs/benchmarks/http-gpu.md) the HTTP rows/s at 8 inputs a request did not grow with the front
 ends and fell with concurrency: the engine process, not the front ends, was the limit. This isolates it. The
-benchmark starts the real engine process (``server.supervisor.EngineProcess``, as ``patchserve serve --workers N``
-does) and one ZeroMQ DEALER here sends it pre-tokenised ``Infer`` messages of K rows (``--rows``) of random tasks,
-keeping ``--outstanding`` rows in flight (closed loop: a new request for every answer). Per cell: rows/s through the
-engine process, and the engine alone -- the same runner in this process on batches of --max-batch-rows rows of
-the same texts and tasks, back to back -- with their ratio (1.0: the process adds nothing to its forward passes).
+benchmark starts the real engine process (``patchserve.server.supervisor.EngineProcess``, as ``patchserve serve
+--workers N`` does) and one ZeroMQ DEALER here sends it pre-tokenised ``Infer`` messages of K rows (``--rows``) of
+random tasks, keeping ``--outstanding`` rows in flight (closed loop: a new request for every answer). Per cell: rows/s
+through the engine process, and the engine alone -- the same runner in this process on batches of --max-batch-rows rows
+of the same texts and tasks, back to back -- with their ratio (1.0: the process adds nothing to its forward passes).
 
 --model FREE (the default) is a random BERT of one layer, hidden 32, under the default encoder's tokenizer: on two
 CPU cores its forward of 32 rows takes about what the default encoder's takes on an H100 in float16 (~1.1 ms), so
@@ -38,11 +38,11 @@ import zmq
 
 from bench.common import DATA, FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot, sentences
 from bench.http import EngineAlone, device_name
-from patches.encoder import load_encoder
-from patches.synthetic import random_patch
-from server.engine.protocol import Hello, Infer, Outputs, RowIn, encode, from_engine
-from server.settings import ServerSettings
-from server.supervisor import EngineProcess
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.synthetic import random_patch
+from patchserve.server.engine.protocol import Hello, Infer, Outputs, RowIn, encode, from_engine
+from patchserve.server.settings import ServerSettings
+from patchserve.server.supervisor import EngineProcess
 
 
 class Client:

@@ -55,8 +55,8 @@ PACED_S = 0.1  # and writes every 0.1 s otherwise (flat out all the time, the re
 
 
 def _patches(model: str, task: str, n: int) -> list[bytes]:
-    from patches.encoder import load_encoder
-    from patches.synthetic import random_patch
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.synthetic import random_patch
 
     encoder = load_encoder(model)
     return [random_patch(encoder, task, seed=s).data for s in range(1, n + 1)]
@@ -79,10 +79,10 @@ def _syncs(port: int) -> tuple[int, int]:
 def run_setting(
     min_replicas: int, failovers: int, work: Path, model: str, switchover: bool = False
 ) -> tuple[list[dict], dict[str, Any]]:
-    from patches.errors import RegistryUnavailableError
-    from patches.format import Patch
-    from patches.store import open_registry
     from patchserve.local import SentinelRedis, served
+    from patchserve.patches.errors import RegistryUnavailableError
+    from patchserve.patches.format import Patch
+    from patchserve.patches.store import open_registry
 
     folder = work / f"min{min_replicas}"
     folder.mkdir()

@@ -61,11 +61,11 @@ from bench.quality import (
     setting_changes,
     settings,
 )
-from patches.data import Dataset, load_dataset, split_dev
-from patches.encoder import Encoder, default_encoder_path, load_encoder, resolve_device
-from patches.train_config import SELECTION_METRICS, TrainConfig
-from trainer.progress import progress_logger
-from trainer.train import train_patch
+from patchserve.patches.data import Dataset, load_dataset, split_dev
+from patchserve.patches.encoder import Encoder, default_encoder_path, load_encoder, resolve_device
+from patchserve.patches.train_config import SELECTION_METRICS, TrainConfig
+from patchserve.trainer.progress import progress_logger
+from patchserve.trainer.train import train_patch
 
 RESTART_NOTE = (
     "Runs with restarts=1 were recorded before 2026-11-23: one seed, the best dev checkpoint, and a dev tie kept the "

@@ -7,8 +7,8 @@ comes from.
 
 * hop: ``await run_in_threadpool(f)`` for an ``f`` that does nothing, as the server did per request for its catalog
   lookup and its tokenizing: the wall time one costs the request, and the event loop's own CPU time per hop.
-* tokenize: ``server.predict.encode`` (the default encoder's tokenizer, as the server calls it) on one text of N
-  characters of real sentences, N = 16 .. 8,192: CPU time per call, inline.
+* tokenize: ``patchserve.server.predict.encode`` (the default encoder's tokenizer, as the server calls it) on one text
+of N characters of real sentences, N = 16 .. 8,192: CPU time per call, inline.
 * threshold: tokenizing inline saves the hop (its CPU on the loop, and its wall time in the request) at every
   size; the price is that the loop serves no other request meanwhile. So texts are tokenized inline while that
   holds the loop for at most HOLD_BUDGET_US (1 ms: less than one batch of 32 rows takes on a GPU, so a neighbour
@@ -39,9 +39,9 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from bench.common import DATA, OUT, append_run, latest_run, pyplot, sentences
-from patches.encoder import load_tokenizer
-from server.inference import INLINE_TOKENIZE_CHARS
-from server.predict import encode
+from patchserve.patches.encoder import load_tokenizer
+from patchserve.server.inference import INLINE_TOKENIZE_CHARS
+from patchserve.server.predict import encode
 
 SIZES = (16, 64, 256, 1024, 2048, 4096, 8192)
 HOLD_BUDGET_US = 1000.0  # the longest one request's tokenizing may hold its front end's event loop

@@ -63,13 +63,13 @@ from bench.common import (
     server_figures,
     wrk_script,
 )
-from patches.encoder import Encoder, load_encoder
-from patches.format import Patch
-from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, wait_ready
-from server.engine.protocol import Row
-from server.engine.runner import Runner
-from server.settings import available_cpus, default_workers
+from patchserve.patches.encoder import Encoder, load_encoder
+from patchserve.patches.format import Patch
+from patchserve.patches.synthetic import random_patch
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import Runner
+from patchserve.server.settings import available_cpus, default_workers
 
 KEYS = ("workers", "concurrency", "tasks", "inputs")
 

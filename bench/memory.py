@@ -44,11 +44,11 @@ from bench.common import (
     rss_mb,
     server_figures,
 )
-from patches.encoder import load_encoder
-from patches.store import open_registry
-from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
-from server.engine.runner import Runner
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.store import open_registry
+from patchserve.patches.synthetic import random_patch
+from patchserve.server.engine.runner import Runner
 
 BERT_BASE = {
     "hidden_size": 768,

@@ -40,14 +40,14 @@ import torch
 
 from bench.baselines import BASELINES, logreg
 from bench.common import pyplot
-from patches.data import DataFile, Dataset, Splits, load_splits
-from patches.encoder import Encoder, load_encoder, resolve_device
-from patches.packed import packed_unsupported
-from patches.packed_model import training_bert
-from patches.train_config import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
-from trainer.joint import JointTrainer
-from trainer.progress import progress_logger
-from trainer.train import PatchTraining, TrainResult, train_patch
+from patchserve.patches.data import DataFile, Dataset, Splits, load_splits
+from patchserve.patches.encoder import Encoder, load_encoder, resolve_device
+from patchserve.patches.packed import packed_unsupported
+from patchserve.patches.packed_model import training_bert
+from patchserve.patches.train_config import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
+from patchserve.trainer.joint import JointTrainer
+from patchserve.trainer.progress import progress_logger
+from patchserve.trainer.train import PatchTraining, TrainResult, train_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -127,9 +127,9 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     restart, no ``scales`` trained biases only, no ``head_init`` started a random head. Where one run trained,
     ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``: the contrastive
     stage, distillation) at its "off" value changed nothing and is left out too, as is the distillation's
-    temperature without a teacher."""
+    temperature without a teacher or at its default (2.0)."""
     out = {"scales": "none", "head_init": "random"} | run_settings
-    if not out.get("distill"):
+    if not out.get("distill") or out.get("distill_temperature") == 2.0:  # without a teacher, or its old default
         out.pop("distill_temperature", None)
     for name, off in RETIRED_OPTIONS.items():
         if name in out and out[name] == off:
@@ -405,8 +405,9 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
         f"Reproduce all of it with `python bench/quality.py` ({len(SETS)} sets x 3 modes x 3 seeds; resumable: every "
         "finished run is appended to `docs/quality-runs.jsonl` and skipped next time on the same kind of device; add "
         "`--device cuda` on a GPU). One cell: `python bench/quality.py --sets trec --modes bitfit --seeds 0`. Each "
-        "run is the same as `patchserve train --task SET --train ../shared/data/SET/train.jsonl --dev "
-        "…/dev.jsonl --test …/test.jsonl --seed N` (plus `--bias-subset query-intermediate` or `--full`).",
+        "run is the same as `patchserve train --task SET --train DATA/SET/train.jsonl --dev DATA/SET/dev.jsonl "
+        "--test DATA/SET/test.jsonl --seed N` (plus `--bias-subset query-intermediate` or `--full`), DATA being the "
+        "folder of evaluation sets (`--data`).",
         "",
         f"Last command: `{command}`.",
     ]

@@ -40,10 +40,10 @@ from typing import Any
 import httpx
 
 from bench.common import DATA, percentile, rss_mb, sentences
-from patches.encoder import load_encoder
-from patches.format import Patch
-from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.format import Patch
+from patchserve.patches.synthetic import random_patch
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 

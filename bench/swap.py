@@ -51,9 +51,9 @@ from bench.common import (
     sentences,
     wrk_script,
 )
-from patches.encoder import load_encoder
-from patches.synthetic import random_patch
 from patchserve.local import free_port, patchserve_process, start_redis, wait_ready
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.synthetic import random_patch
 
 TRAFFIC_TASKS = 8
 

@@ -19,7 +19,7 @@ of the training set with ``--dev-rows`` dev rows, each in its own process: its w
 
 Jobs. ``--concurrent-jobs K`` default BitFit jobs (each on its own ``--job-rows`` slice of the training set, its own
 seed, at most ``--job-max-steps`` updates), trained one at a time and then together in one batch, as
-``patchserve worker --concurrent-jobs K`` trains them (``trainer.joint.JointTrainer``), each way in its own
+``patchserve worker --concurrent-jobs K`` trains them (``patchserve.trainer.joint.JointTrainer``), each way in its own
 process: ``jobs_per_hour_1`` and ``jobs_per_hour_k``, and their ratio ``jobs_speedup``.
 """
 
@@ -43,13 +43,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from patches.data import load_dataset
-from patches.encoder import load_encoder, resolve_device
-from patches.train_config import TrainConfig
-from trainer.features import collate, featurize
-from trainer.models import PackedRuns, PaddedRun, RunModel
-from trainer.runs import loss_fn
-from trainer.train import train_patch
+from patchserve.patches.data import load_dataset
+from patchserve.patches.encoder import load_encoder, resolve_device
+from patchserve.patches.train_config import TrainConfig
+from patchserve.trainer.features import collate, featurize
+from patchserve.trainer.models import PackedRuns, PaddedRun, RunModel
+from patchserve.trainer.runs import loss_fn
+from patchserve.trainer.train import train_patch
 
 OUT = ROOT / "docs" / "benchmarks"
 MODES = ("packed", "padded", "full", "packed-ia3")
@@ -166,9 +166,9 @@ def jobs_child(args: argparse.Namespace) -> dict[str, Any]:
     """K default jobs in this process, one at a time (``jobs-1``) or in one batch (``jobs-k``): wall time."""
     from dataclasses import replace
 
-    from patches.packed_model import training_bert
-    from trainer.joint import JointTrainer
-    from trainer.train import PatchTraining
+    from patchserve.patches.packed_model import training_bert
+    from patchserve.trainer.joint import JointTrainer
+    from patchserve.trainer.train import PatchTraining
 
     encoder = load_encoder(args.model)
     encoder.model.to(resolve_device(args.device))

@@ -1,6 +1,2 @@
-"""patchserve's shared library: the patch format, BitFit targets, the base encoder and the registries.
-
-Imported by ``server`` and ``trainer``; imports neither.
-"""
-
-__version__ = "0.1.0"
+"""patchserve's shared library: the patch format, BitFit targets, the base encoder, the registries and the training
+contract. Imported by ``patchserve.server`` and ``patchserve.trainer``; imports neither."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from patches.errors import EncoderError, PatchKeysError
-from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
+from patchserve.patches.errors import EncoderError, PatchKeysError
+from patchserve.patches.format import IA3_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
 
 _L = r"encoder\.layer\.(\d+)\."
 _BERT_ROLES = {
@@ -165,7 +165,8 @@ def _rules(encoder: nn.Module) -> dict[str, str]:
     if model_type not in ARCH_RULES:
         raise EncoderError(
             f"architecture {model_type!r} has no BitFit naming rules (supported: {sorted(ARCH_RULES)}); "
-            "use --bias-subset all, which needs no rules, or add the architecture to patches.bitfit.ARCH_RULES"
+            "use --bias-subset all, which needs no rules, or add the architecture to "
+            "patchserve.patches.bitfit.ARCH_RULES"
         )
     return ARCH_RULES[model_type]
 

@@ -1,8 +1,5 @@
-"""The ``patchserve`` command. Subcommands come from the ``patchserve.commands`` entry-point group, so the
-server and trainer packages add their own (serve, train, ...) without this package importing them.
-
-Commands owned here: ``inspect`` (read a patch file) and the registry commands ``tasks``, ``register`` and ``prune``.
-"""
+"""The shared library's commands: ``inspect`` (read a patch file) and the registry commands ``tasks``, ``register``
+and ``prune``; and the options every command that opens a registry shares."""
 
 from __future__ import annotations
 
@@ -10,10 +7,7 @@ import argparse
 import json
 import os
 import sys
-from importlib.metadata import entry_points
 from typing import Any
-
-from patches.errors import PatchServeError
 
 DEFAULT_REGISTRY = "disk://./registry"
 REGISTRY_ENV = "PATCHSERVE_REGISTRY"
@@ -89,7 +83,7 @@ def patch_summary(patch: Any) -> dict[str, Any]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from patches.format import Patch
+    from patchserve.patches.format import Patch
 
     info = patch_summary(Patch.read(args.file, max_bytes=args.max_bytes))  # an invalid file: exit 1 with why
     if args.json:
@@ -103,7 +97,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from patches.store import open_registry
+    from patchserve.patches.store import open_registry
 
     reg = open_registry(args.registry)
     snap = reg.snapshot()
@@ -118,8 +112,8 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _register(args: argparse.Namespace) -> int:
-    from patches.format import Patch
-    from patches.store import open_registry
+    from patchserve.patches.format import Patch
+    from patchserve.patches.store import open_registry
 
     patch = Patch.read(args.file)
     registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
@@ -129,8 +123,8 @@ def _register(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from patches.errors import TaskNotFoundError
-    from patches.store import open_registry
+    from patchserve.patches.errors import TaskNotFoundError
+    from patchserve.patches.store import open_registry
 
     if args.grace_s is not None and args.grace_s < 0:
         print("error: --grace-s must be 0 or more", file=sys.stderr)
@@ -223,35 +217,3 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON: task -> deleted versions")
     p.set_defaults(func=_prune)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from patches import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="patchserve",
-        description="Serve and train BitFit bias patches on one frozen shared encoder.",
-    )
-    parser.add_argument("--version", action="version", version=f"patchserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for ep in sorted(entry_points(group="patchserve.commands"), key=lambda e: e.name):
-        ep.load()(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except PatchServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

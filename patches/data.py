@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from patches.errors import PatchServeError
-from patches.format import Label, is_label, shown, strict_json, unprintable
+from patchserve.patches.errors import PatchServeError
+from patchserve.patches.validation import Label, is_label, shown, strict_json, unprintable
 
 KINDS = ("classification", "regression", "token-classification")
 _MAX_REPORTED = 10

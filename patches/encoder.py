@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from patches.bitfit import bias_shapes, scale_shapes
-from patches.errors import EncoderError
-from patches.format import BaseSpec
+from patchserve.patches.bitfit import bias_shapes, scale_shapes
+from patchserve.patches.errors import EncoderError
+from patchserve.patches.format import BaseSpec
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 import struct
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -37,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from patches.errors import (
+from patchserve.patches.errors import (
     FingerprintMismatchError,
     InvalidTaskNameError,
     PatchCorruptError,
@@ -49,6 +46,15 @@ from patches.errors import (
     PatchValueError,
     PatchVersionError,
     RetiredPatchTypeError,
+)
+from patchserve.patches.validation import (
+    Label,
+    is_finite_number,
+    is_label,
+    shown,
+    strict_json,
+    unprintable,
+    validate_task_name,
 )
 
 FORMAT_VERSION = 1
@@ -71,106 +77,6 @@ _MAX_TENSORS = 4096  # BERT-large with every bias is ~400
 
 KINDS = ("classification", "regression", "token-classification")
 POOLINGS = ("mean", "cls", "pooler")
-TASK_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: "$" would allow a final "\n"
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages that quote what a client sent."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def unprintable(text: str) -> str | None:
-    """The first control character or lone surrogate in ``text`` (as a ``U+XXXX`` string), or None.
-
-    Names (tasks, labels, uploaded files) become file names, Redis keys, log lines and JSON; none of them may
-    carry a newline, a NUL or half of a UTF-16 pair.
-    """
-    for ch in text:
-        if unicodedata.category(ch) in ("Cc", "Cs"):
-            return f"U+{ord(ch):04X}"
-    return None
-
-
-def validate_task_name(name: str) -> str:
-    """Return ``name`` if it is a legal task name, else raise :class:`InvalidTaskNameError`.
-
-    Task names become file names and Redis keys, so: 1-64 characters of letters, digits, ``_ . -``,
-    starting with a letter or digit, and no ``..`` (no path traversal). No control character passes.
-    """
-    if not isinstance(name, str) or not TASK_NAME_RE.fullmatch(name) or ".." in name:
-        raise InvalidTaskNameError(
-            f"invalid task name {shown(name)}: use 1-64 characters of letters, digits, '_', '.', '-', "
-            "starting with a letter or digit, without '..'"
-        )
-    return name
-
-
-MAX_JSON_DEPTH = 16
-
-
-MAX_JSON_INT = 2**53 - 1  # the largest integer every JSON reader (JavaScript's included) holds exactly
-
-
-Label = str | int  # a task's label keeps the JSON type of the training data's labels; tags are strings
-
-
-def is_label(value: object) -> bool:
-    """A label as a patch stores it: a non-empty string, or an integer (not a bool) any JSON reader holds exactly."""
-    if isinstance(value, str):
-        return bool(value)
-    return type(value) is int and abs(value) <= MAX_JSON_INT
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _is_finite_number(v: object) -> bool:
-    """A JSON number that is a finite float (an integer too large for a float is not: 1e400 written out)."""
-    if not _is_number(v):
-        return False
-    try:
-        return math.isfinite(v)  # type: ignore[arg-type]
-    except OverflowError:
-        return False
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def strict_json(text: str | bytes, what: str, error: type[Exception]) -> Any:
-    """``json.loads`` for JSON a client sent, raising ``error`` (naming ``what``) for anything that could break
-    later: invalid JSON, NaN/Infinity, numbers too large for a float, nesting deeper than ``MAX_JSON_DEPTH``,
-    and strings with lone surrogates (which cannot be written back as UTF-8)."""
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise error(f"{what}: nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, NaN, a 5,000-digit integer...
-        raise error(f"{what}: not valid JSON ({exc})") from None
-    problem = _json_problem(value, MAX_JSON_DEPTH)
-    if problem is not None:
-        raise error(f"{what}: {problem}")
-    return value
-
-
-def _json_problem(value: Any, depth: int) -> str | None:
-    """What makes a parsed JSON value unusable, or None (iterative: a deep value cannot exhaust the stack)."""
-    stack = [(value, depth)]
-    while stack:
-        item, left = stack.pop()
-        if isinstance(item, dict | list):
-            if left <= 0:
-                return f"nested deeper than {MAX_JSON_DEPTH} levels"
-            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-            stack.extend((child, left - 1) for child in children)
-        elif isinstance(item, float) and not math.isfinite(item):
-            return "a number is out of range (NaN or Infinity)"
-        elif isinstance(item, str) and any("\ud800" <= ch <= "\udfff" for ch in item):
-            return f"the string {shown(item)} contains a lone surrogate (not valid Unicode)"
-    return None
 
 
 @dataclass(frozen=True)
@@ -306,7 +212,7 @@ class PatchMeta:
         ):
             raise bad('base must name the encoder and carry its "sha256:..." fingerprint')
         if not isinstance(self.metrics, dict) or not all(
-            isinstance(k, str) and _is_finite_number(v) for k, v in self.metrics.items()
+            isinstance(k, str) and is_finite_number(v) for k, v in self.metrics.items()
         ):
             raise bad("metrics must map names to finite numbers")
         if not isinstance(self.training, dict):

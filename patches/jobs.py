@@ -1,5 +1,5 @@
 """Training jobs: the gate, the deployment's limits and the Redis Streams queue that carries them (the training
-config itself is ``patches.train_config``).
+config itself is ``patchserve.patches.train_config``).
 
 Why Redis Streams with a consumer group (and not a job library): the deployment already runs Redis for the
 registry; a consumer group gives exactly what the trainer needs -- each job delivered to one worker, a pending
@@ -25,11 +25,10 @@ import redis
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from patches.api import TERMINAL
-from patches.errors import JobError
-from patches.format import shown, unprintable
-from patches.store.base import iso_time, redact_url
-from patches.store.redis import (
+from patchserve.patches.api import TERMINAL
+from patchserve.patches.errors import JobError
+from patchserve.patches.store.base import iso_time, redact_url
+from patchserve.patches.store.redis_client import (
     DurableWrites,
     call_redis,
     connect_redis,
@@ -37,8 +36,9 @@ from patches.store.redis import (
     parse_redis_url,
     run_transaction,
 )
-from patches.store.redis_keys import JOB_GROUP, RedisKeys
-from patches.train_config import TrainConfig, from_json
+from patchserve.patches.store.redis_keys import JOB_GROUP, RedisKeys
+from patchserve.patches.train_config import TrainConfig, from_json
+from patchserve.patches.validation import shown, unprintable
 
 __all__ = ["TERMINAL", "Gate", "Job", "JobError", "JobLimits", "JobNotFoundError", "JobQueue", "JobStateError"]
 

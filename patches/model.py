@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from patches.bitfit import apply_values, head_module
-from patches.format import Patch
+from patchserve.patches.bitfit import apply_values, head_module
+from patchserve.patches.format import Patch
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

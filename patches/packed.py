@@ -34,18 +34,16 @@ are dropped); until then a BitFit-only server pays nothing for them.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patches.bitfit import bias_parameters, ia3_base
+from patchserve.patches.bitfit import bias_parameters, ia3_base
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -77,8 +75,8 @@ def keep_mask(shape: Sequence[int], keep: float, device: torch.device | str = "c
     2^-32; ``bernoulli_``'s own is quantised to 2^-31).
 
     Drawn from torch's generator (``torch.manual_seed`` governs it) 64 bits at a time: ``random_`` over the whole
-    int64 range, read as two uniform 32-bit integers, each compared with one threshold. On the CPU that is ~2.5x
-    cheaper than ``bernoulli_``, whose masks were a fifth of a packed training update (bench/train_cost.py)."""
+    int64 range, read as two uniform 32-bit integers, each compared with one threshold: on the CPU cheaper than
+    ``bernoulli_``, whose masks were a large share of a packed training update (docs/benchmarks/train_cost.md)."""
     n = math.prod(shape)
     ints = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-(2**63), None).view(torch.int32)
     threshold = min(round(keep * 2**32), 2**32 - 1) - 2**31  # int32 is uniform over [-2^31, 2^31)
@@ -447,71 +445,3 @@ class PackedBert:
         w = heads.weight.index_select(0, slots).to(x.dtype)  # [M, C, H]
         hb = heads.bias.index_select(0, slots).to(x.dtype)
         return torch.baddbmm(hb.unsqueeze(2), w, x.index_select(0, tokens).unsqueeze(2)).squeeze(2)
-
-
-# --- host side: one flat int32 array per batch -------------------------------------------------------------------
-def layout_size(n_tokens: int, n_rows: int) -> int:
-    """Length of the flat int32 layout ``[ids | types | pos | tok_slot | seg] x N, cu [R + 1], row_slot, row_mode``."""
-    return 5 * n_tokens + 3 * n_rows + 1
-
-
-def fill_layout(
-    out: np.ndarray,
-    ids: list[list[int]],
-    types: list[list[int]],
-    row_slots: list[int],
-    row_modes: list[int],
-    n_tokens: int,
-    n_rows: int,
-    fill_slot: int,
-) -> int:
-    """Write a batch into ``out`` (int32, at least ``layout_size``) for an N-token, R-row layout; padding tokens
-    and rows get ``fill_slot`` and no row. Returns the number of real tokens."""
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    real = int(lengths.sum())
-    b = len(ids)
-    if real > n_tokens or b > n_rows:
-        raise ValueError(f"{real} tokens in {b} rows do not fit a layout of {n_tokens} tokens, {n_rows} rows")
-    n = n_tokens
-    out[: layout_size(n, n_rows)] = 0
-    out[0:real] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=real)
-    out[n : n + real] = np.fromiter(itertools.chain.from_iterable(types), dtype=np.int32, count=real)
-    starts = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
-    out[2 * n : 2 * n + real] = np.arange(real) - np.repeat(starts[:-1], lengths)
-    out[3 * n : 3 * n + real] = np.repeat(np.asarray(row_slots, dtype=np.int32), lengths)
-    out[3 * n + real : 4 * n] = fill_slot
-    out[4 * n : 4 * n + real] = np.repeat(np.arange(b, dtype=np.int32), lengths)
-    out[4 * n + real : 5 * n] = n_rows  # no row
-    cu = 5 * n
-    out[cu : cu + b + 1] = starts
-    out[cu + b + 1 : cu + n_rows + 1] = real
-    out[cu + n_rows + 1 : cu + n_rows + 1 + b] = row_slots
-    out[cu + n_rows + 1 + b : cu + 2 * n_rows + 1] = fill_slot
-    out[cu + 2 * n_rows + 1 : cu + 2 * n_rows + 1 + b] = row_modes
-    return real
-
-
-def batch_views(flat: torch.Tensor, n_tokens: int, n_rows: int, max_len: int) -> PackedBatch:
-    """A PackedBatch whose tensors are views of a flat int32 layout (on the device)."""
-    n, r = n_tokens, n_rows
-    cu = 5 * n
-    return PackedBatch(
-        ids=flat[0:n],
-        types=flat[n : 2 * n],
-        pos=flat[2 * n : 3 * n],
-        tok_slot=flat[3 * n : 4 * n],
-        seg=flat[4 * n : 5 * n],
-        cu=flat[cu : cu + r + 1],
-        row_slot=flat[cu + r + 1 : cu + 2 * r + 1],
-        row_mode=flat[cu + 2 * r + 1 : cu + 3 * r + 1],
-        max_len=max_len,
-    )
-
-
-def add_exact_attention(b: PackedBatch, lengths: list[int]) -> None:
-    """Give ``b`` what the exact (padded-attention) path needs: each token's padded position and the key mask."""
-    t = b.max_len  # the longest row
-    b.pidx = (b.seg.long() * t + b.pos.long())[: sum(lengths)]
-    lens = torch.tensor(lengths, device=b.ids.device)
-    b.key_mask = (torch.arange(t, device=b.ids.device).unsqueeze(0) < lens.unsqueeze(1)).view(len(lengths), 1, 1, t)

@@ -5,8 +5,9 @@ are the frozen shared ones, read through a ``PackedBert`` and never copied. A ba
 tagged with its run, is packed (padding never reaches a matrix product), the runs' bias banks are folded from
 their parameters at every forward (``PackedBert.bank_values`` is differentiable: a few small products), and the
 forward is the serving engine's. Its backward therefore gives every run exactly the gradients the plain padded
-model (``patches.model.TaskModel``) gives it alone (``tests/test_packed_training.py`` checks logits and gradients
-in float32), and ``task_model(run)`` turns a run back into a plain TaskModel for patch extraction and evaluation.
+model (``patchserve.patches.model.TaskModel``) gives it alone (``tests/test_packed_training.py`` checks logits and
+gradients in float32), and ``task_model(run)`` turns a run back into a plain TaskModel for patch extraction and
+evaluation.
 
 Several models built over one ``training_bert`` (several jobs on one base, as ``patchserve worker --concurrent-jobs``
 trains them) put their rows through one packed encode: ``joint_forward`` stacks their bias banks, and each model's
@@ -23,9 +24,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from patches.bitfit import apply_values
-from patches.model import TaskModel
-from patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert, add_exact_attention
+from patchserve.patches.bitfit import apply_values
+from patchserve.patches.model import TaskModel
+from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
+from patchserve.patches.packed_layout import add_exact_attention
 
 
 def training_bert(encoder: nn.Module) -> PackedBert:
@@ -38,8 +40,8 @@ def training_bert(encoder: nn.Module) -> PackedBert:
 class PackedTaskModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids=None, run=None)`` -> logits, as TaskModel's.
 
-    ``encoder`` is a BertModel (``patches.packed.packed_unsupported`` says which are not); ``heads`` holds each run's
-    initial head (its count is the number of runs); ``trained`` names the biases (and (IA)^3 scales, for a
+    ``encoder`` is a BertModel (``patchserve.patches.packed.packed_unsupported`` says which are not); ``heads`` holds
+    each run's initial head (its count is the number of runs); ``trained`` names the biases (and (IA)^3 scales, for a
     ``bitfit-ia3`` patch) every run trains, initialised at the encoder's values. ``run`` gives each row's run
     (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other models
     (default: one of its own)."""

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from patches.bitfit import base_biases, ia3_base, target_names
-from patches.encoder import Encoder
-from patches.format import IA3_PATCH_TYPE, PATCH_TYPE, BaseRef, Label, Patch, PatchMeta
+from patchserve.patches.bitfit import base_biases, ia3_base, target_names
+from patchserve.patches.encoder import Encoder
+from patchserve.patches.format import IA3_PATCH_TYPE, PATCH_TYPE, BaseRef, Patch, PatchMeta
+from patchserve.patches.validation import Label
 
 DEFAULT_LABELS: dict[str, list[Label]] = {
     "classification": ["negative", "positive"],

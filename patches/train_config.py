@@ -19,8 +19,8 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
-from patches.errors import InvalidTaskNameError, JobError, describe_validation_errors
-from patches.format import Label, shown, validate_task_name
+from patchserve.patches.errors import InvalidTaskNameError, JobError, describe_validation_errors
+from patchserve.patches.validation import Label, shown, validate_task_name
 
 # Defaults that differ between BitFit and full fine-tuning, filled in by ``TrainConfig.resolved()`` where a field
 # is None. BitFit's few parameters need a larger rate and longer training and improve late in the linear decay:

@@ -8,8 +8,8 @@
         job = ps.submit({"task": "trec", "epochs": 5}, train="trec-train.jsonl", dev="trec-dev.jsonl")
         print(ps.wait(job).result["version"])
 
-Requests and answers are the server's own models (``patches.api``), so results are typed. An error answer raises
-the ``PatchserveError`` subclass of its status (``NotFound``, ``Unauthorized``, ``InvalidRequest``,
+Requests and answers are the server's own models (``patchserve.patches.api``), so results are typed. An error answer
+raises the ``PatchserveError`` subclass of its status (``NotFound``, ``Unauthorized``, ``InvalidRequest``,
 ``Overloaded``, ...), carrying the status and the server's message, which says what to fix. Both clients share
 every request's definition (``_Call``); they differ only in how they send it.
 """
@@ -29,7 +29,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 from tqdm import tqdm
 
-from patches.api import (
+from patchserve.patches.api import (
     EmbedResponse,
     JobPublic,
     PairInput,

@@ -22,10 +22,10 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
-from patches import __version__
-from patches.data import DataError
-from patches.encoder import Encoder, load_encoder, load_tokenizer
-from patches.errors import (
+from patchserve import __version__
+from patchserve.patches.data import DataError
+from patchserve.patches.encoder import Encoder, load_encoder, load_tokenizer
+from patchserve.patches.errors import (
     InvalidTaskNameError,
     PatchError,
     RegistryUnavailableError,
@@ -33,27 +33,27 @@ from patches.errors import (
     VersionNotFoundError,
     describe_validation_errors,
 )
-from patches.jobs import JobError, JobNotFoundError, JobQueue, JobStateError
-from patches.store import Registry, open_registry
-from server import ui
-from server.catalog import Catalog
-from server.deps import EncoderInfo, Service
-from server.embeddings import router as embeddings_router
-from server.engine.batcher import OverloadedError
-from server.engine.local import LocalEngine
-from server.engine.patch_cache import PatchCache
-from server.engine.protocol import EngineError, EngineUnavailableError
-from server.engine.remote import RemoteEngine
-from server.inference import ClientGoneError
-from server.metrics import Metrics
-from server.middleware import RequestGuard, body_too_large, error_response
-from server.oip import openapi_components
-from server.oip import router as oip_router
-from server.openapi import add_schemas
-from server.predict import InputError
-from server.routes import router
-from server.routes_jobs import router as jobs_router
-from server.settings import ServerSettings
+from patchserve.patches.jobs import JobError, JobNotFoundError, JobQueue, JobStateError
+from patchserve.patches.store import Registry, open_registry
+from patchserve.server import ui
+from patchserve.server.catalog import Catalog
+from patchserve.server.deps import EncoderInfo, Service
+from patchserve.server.embeddings import router as embeddings_router
+from patchserve.server.engine.batcher import OverloadedError
+from patchserve.server.engine.local import LocalEngine
+from patchserve.server.engine.patch_cache import PatchCache
+from patchserve.server.engine.protocol import EngineError, EngineUnavailableError
+from patchserve.server.engine.remote import RemoteEngine
+from patchserve.server.inference import ClientGoneError
+from patchserve.server.metrics import Metrics
+from patchserve.server.middleware import RequestGuard, body_too_large, error_response
+from patchserve.server.oip import openapi_components
+from patchserve.server.oip import router as oip_router
+from patchserve.server.openapi import add_schemas
+from patchserve.server.predict import InputError
+from patchserve.server.routes import router
+from patchserve.server.routes_jobs import router as jobs_router
+from patchserve.server.settings import ServerSettings
 
 log = logging.getLogger("patchserve")
 
@@ -156,62 +156,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics = Metrics()
-        engine: LocalEngine | RemoteEngine
-        if engine_address is None:
-            info, engine = await _local_engine(settings, encoder, metrics)
-        else:
-            info, engine = await _remote_engine(engine_address)
-        reg = registry or open_registry(settings.registry, min_replicas=settings.redis_min_replicas)
-        if settings.keep_versions is not None:  # retention after each registration through this server
-            reg.keep_versions = settings.keep_versions
-        reg.max_patch_bytes = settings.max_patch_bytes
-        catalog = Catalog(
-            reg,
-            info.spec,
-            PatchCache(settings.patch_cache_mb * 1024 * 1024),
-            on_fetch=metrics.patch_load.labels(source="registry").observe,
-        )
-        await asyncio.to_thread(catalog.start)
-        if isinstance(engine, LocalEngine):
-            if settings.preload:  # the engine process preloads for itself
-                t0 = time.perf_counter()
-                loaded = await asyncio.to_thread(engine.preload, catalog.recent_patches())
-                log.info("preloaded %d of %d tasks in %.1f s", loaded, len(catalog.current), time.perf_counter() - t0)
-            engine.start()
-        queue_url = settings.queue or (settings.registry if settings.registry.startswith("redis") else None)
-        queue = JobQueue(queue_url, min_replicas=settings.redis_min_replicas) if queue_url else None
-        app.state.service = Service(settings, info, reg, engine, catalog, metrics, queue)
-        # Everything built so far (torch, transformers, the app, the encoder) lives as long as the process. A full
-        # collection would walk its ~400k objects (~190 ms on 2 CPU cores) and stall every request meanwhile: the
-        # p99 outliers of bench/swap.py and bench/memory.py. Frozen, collections only walk what serving allocates.
-        orphaned = None if engine_address is None else asyncio.ensure_future(_stop_when_orphaned())
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "patchserve ready: %s (%s) on %s, registry %s, %d tasks",
-            info.name,
-            info.fingerprint[:19],
-            engine.device,
-            reg.url,
-            len(catalog.current),
-        )
-        try:
-            yield
-        finally:
-            app.state.service = None
-            if orphaned is not None:
-                orphaned.cancel()
-            if isinstance(engine, LocalEngine):
-                await engine.stop()
-            else:
-                await engine.close()
-            await asyncio.to_thread(catalog.stop)
-            if registry is None:
-                reg.close()
-            if queue is not None:
-                queue.close()
-            gc.unfreeze()  # what start-up froze is collectable again (an app in a longer-lived process: tests)
+        async with _service(settings, encoder, registry, engine_address) as service:
+            app.state.service = service
+            try:
+                yield
+            finally:
+                app.state.service = None
 
     app = FastAPIOffline(  # /docs and /redoc with their assets served by the app (no CDN): they work offline
         title="patchserve",
@@ -233,6 +183,64 @@ def create_app(
         RequestGuard, max_bytes=settings.max_body_bytes, max_predict_bytes=settings.max_predict_body_bytes
     )
     return app
+
+
+@asynccontextmanager
+async def _service(
+    settings: ServerSettings, encoder: Encoder | None, registry: Registry | None, engine_address: str | None
+) -> AsyncIterator[Service]:
+    """Everything a running app serves with -- the engine (its own, or the engine process at ``engine_address``),
+    the registry and its catalog, the job queue, the metrics -- built at start-up and torn down at shutdown."""
+    metrics = Metrics()
+    engine: LocalEngine | RemoteEngine
+    if engine_address is None:
+        info, engine = await _local_engine(settings, encoder, metrics)
+    else:
+        info, engine = await _remote_engine(engine_address)
+    reg = registry or open_registry(settings.registry, min_replicas=settings.redis_min_replicas)
+    if settings.keep_versions is not None:  # retention after each registration through this server
+        reg.keep_versions = settings.keep_versions
+    reg.max_patch_bytes = settings.max_patch_bytes
+    cache = PatchCache(settings.patch_cache_mb * 1024 * 1024)
+    catalog = Catalog(reg, info.spec, cache, on_fetch=metrics.patch_load.labels(source="registry").observe)
+    await asyncio.to_thread(catalog.start)
+    if isinstance(engine, LocalEngine):
+        if settings.preload:  # the engine process preloads for itself
+            t0 = time.perf_counter()
+            loaded = await asyncio.to_thread(engine.preload, catalog.recent_patches())
+            log.info("preloaded %d of %d tasks in %.1f s", loaded, len(catalog.current), time.perf_counter() - t0)
+        engine.start()
+    queue_url = settings.queue or (settings.registry if settings.registry.startswith("redis") else None)
+    queue = JobQueue(queue_url, min_replicas=settings.redis_min_replicas) if queue_url else None
+    # Everything built so far (torch, transformers, the app, the encoder) lives as long as the process. A full
+    # collection would walk all of it and stall every request meanwhile (the p99 outliers of the swap and memory
+    # benchmarks). Frozen, collections only walk what serving allocates.
+    orphaned = None if engine_address is None else asyncio.ensure_future(_stop_when_orphaned())
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "patchserve ready: %s (%s) on %s, registry %s, %d tasks",
+        info.name,
+        info.fingerprint[:19],
+        engine.device,
+        reg.url,
+        len(catalog.current),
+    )
+    try:
+        yield Service(settings, info, reg, engine, catalog, metrics, queue)
+    finally:
+        if orphaned is not None:
+            orphaned.cancel()
+        if isinstance(engine, LocalEngine):
+            await engine.stop()
+        else:
+            await engine.close()
+        await asyncio.to_thread(catalog.stop)
+        if registry is None:
+            reg.close()
+        if queue is not None:
+            queue.close()
+        gc.unfreeze()  # what start-up froze is collectable again (an app in a longer-lived process: tests)
 
 
 def app_factory() -> Any:

@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from patches.errors import PatchServeError
-from patches.format import BaseSpec, Patch
-from patches.store import Change, Registry, VersionInfo, diff_snapshots
-from server.engine.patch_cache import PatchCache
+from patchserve.patches.errors import PatchServeError
+from patchserve.patches.format import BaseSpec, Patch
+from patchserve.patches.store import Change, Registry, VersionInfo, diff_snapshots
+from patchserve.server.engine.patch_cache import PatchCache
 
 log = logging.getLogger(__name__)
 

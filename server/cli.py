@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from server.settings import ServerSettings
+from patchserve.server.settings import ServerSettings
 
 
 def _option_type(annotation: Any) -> Any:
@@ -25,7 +25,7 @@ def add_settings_options(parser: argparse.ArgumentParser, settings_cls: type[Ser
     for name, field in settings_cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = "unset" if field.default is None else field.default
-        # argparse %-formats help texts: a literal % in a description ("7% of its time") must be doubled
+        # argparse %-formats help texts: a literal % in a description must be doubled
         help_text = f"{field.description} [env {prefix}{name.upper()}; default {default}]".replace("%", "%%")
         kind = _option_type(field.annotation)
         if kind is bool:
@@ -50,13 +50,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.workers != 0:
-        from server.supervisor import serve
+        from patchserve.server.supervisor import serve
 
         return serve(settings)
     import uvicorn
 
-    from server.app import create_app
-    from server.supervisor import GRACEFUL_SHUTDOWN_S
+    from patchserve.server.app import create_app
+    from patchserve.server.supervisor import GRACEFUL_SHUTDOWN_S
 
     uvicorn.run(  # --workers 0: the engine in this one process
         create_app(settings),

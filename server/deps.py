@@ -11,14 +11,14 @@ import numpy as np
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from patches.encoder import Encoder
-from patches.format import BaseSpec
-from patches.jobs import JobQueue
-from patches.store import Registry
-from server.catalog import Catalog
-from server.engine.protocol import Info, Row
-from server.metrics import Metrics
-from server.settings import ServerSettings
+from patchserve.patches.encoder import Encoder
+from patchserve.patches.format import BaseSpec
+from patchserve.patches.jobs import JobQueue
+from patchserve.patches.store import Registry
+from patchserve.server.catalog import Catalog
+from patchserve.server.engine.protocol import Info, Row
+from patchserve.server.metrics import Metrics
+from patchserve.server.settings import ServerSettings
 
 
 class Engine(Protocol):

@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
-from patches.api import EmbedRequest, EmbedResponse, Text
-from server.deps import PredictAuth, ServiceDep
-from server.inference import BASE_TASK, Counted, name_task, run_rows
-from server.openapi import TaskName, errors
-from server.predict import InputError, check_request, normalise_inputs
+from patchserve.patches.api import EmbedRequest, EmbedResponse, Text
+from patchserve.server.deps import PredictAuth, ServiceDep
+from patchserve.server.inference import BASE_TASK, Counted, name_task, run_rows
+from patchserve.server.openapi import TaskName, errors
+from patchserve.server.predict import InputError, check_request, normalise_inputs
 
 router = APIRouter(tags=["embeddings"])
 BASE_MODEL = "base"  # /v1 model name of the base encoder (its own name works too)

@@ -3,8 +3,9 @@ Protocol's infer, embeddings): check the inputs against the limits, tokenise (sm
 the event loop), hand the rows to the engine (in this process or the engine process), and wait for them -- up to
 the request timeout, and only while the client is still there.
 
-Which task a request ran for is left on ``request.state.task`` for ``server.middleware.RequestGuard``: routes that
-depend on ``Counted`` are counted, under ``_unknown`` until their task resolved (so the label set stays bounded).
+Which task a request ran for is left on ``request.state.task`` for ``patchserve.server.middleware.RequestGuard``:
+routes that depend on ``Counted`` are counted, under ``_unknown`` until their task resolved (so the label set stays
+bounded).
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import numpy as np
 from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
-from patches.format import Patch
-from server.deps import Service
-from server.engine.protocol import EngineUnavailableError
-from server.predict import Encoded, InputError, encode
+from patchserve.patches.format import Patch
+from patchserve.server.deps import Service
+from patchserve.server.engine.protocol import EngineUnavailableError
+from patchserve.server.predict import Encoded, InputError, encode
 
 UNKNOWN_TASK = "_unknown"
 BASE_TASK = "_base"  # the label of requests for the base encoder's embeddings
-# Requests with at most this many characters of text are tokenised on the event loop, which holds it for at most
-# ~1 ms and saves a thread hop; longer ones go to the thread pool, so that one large request cannot hold up the
-# others (bench/front_end.py measures both, docs/benchmarks/front_end.md).
+# Requests with at most this many characters of text are tokenised on the event loop, which holds it briefly and
+# saves a thread hop; longer ones go to the thread pool, so that one large request cannot hold up the others (where
+# the line falls: docs/benchmarks/front_end.md).
 INLINE_TOKENIZE_CHARS = 2048
 
 

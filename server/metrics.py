@@ -15,9 +15,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from patches.api import JOB_STATUSES
-from server.engine.batcher import BatchStats
-from server.engine.slots import SlotStats
+from patchserve.patches.api import JOB_STATUSES
+from patchserve.server.engine.batcher import BatchStats
+from patchserve.server.engine.slots import SlotStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

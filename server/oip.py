@@ -9,7 +9,7 @@ kind: classification ``label`` (BYTES [N]), ``score`` (FP32 [N], the label's pro
 ``label`` (BYTES [N, W]) and ``score`` (FP32 [N, W]), one column per word, padded with "" and 0 to the longest
 input. Outputs asked for with ``binary_data`` (or all, with ``binary_data_output``) come back binary.
 
-Same auth, limits and batching as predict: the rows go through ``server.inference.run_rows``.
+Same auth, limits and batching as predict: the rows go through ``patchserve.server.inference.run_rows``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from patches import __version__
-from patches.api import Prediction
-from patches.errors import describe_validation_errors
-from patches.format import PatchMeta, strict_json
-from server.deps import PredictAuth, ServiceDep
-from server.engine.protocol import EngineUnavailableError
-from server.inference import Counted, name_task, run_rows
-from server.openapi import TaskName, errors
-from server.predict import InputError, check_request, decode
+from patchserve import __version__
+from patchserve.patches.api import Prediction
+from patchserve.patches.errors import describe_validation_errors
+from patchserve.patches.format import PatchMeta
+from patchserve.patches.validation import strict_json
+from patchserve.server.deps import PredictAuth, ServiceDep
+from patchserve.server.engine.protocol import EngineUnavailableError
+from patchserve.server.inference import Counted, name_task, run_rows
+from patchserve.server.openapi import TaskName, errors
+from patchserve.server.predict import InputError, check_request, decode
 
 router = APIRouter(tags=["open inference protocol (KServe v2)"])
 HEADER_LENGTH = "Inference-Header-Content-Length"

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Path
 
-from patches.api import ErrorBody
+from patchserve.patches.api import ErrorBody
 
 TaskName = Annotated[
     str,

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from patches.api import LabelScore, PairInput, Prediction, TokenPrediction
-from patches.format import Patch
-from server.engine.protocol import Row
+from patchserve.patches.api import LabelScore, PairInput, Prediction, TokenPrediction
+from patchserve.patches.format import Patch
+from patchserve.server.engine.protocol import Row
 
 
 class InputError(ValueError):

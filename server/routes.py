@@ -1,4 +1,5 @@
-"""HTTP routes. They only translate HTTP to catalog / batcher calls; errors become 4xx/5xx in ``server.app``."""
+"""HTTP routes. They only translate HTTP to catalog / batcher calls; errors become 4xx/5xx in
+``patchserve.server.app``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from fastapi import APIRouter, File, HTTPException, Request, Response, UploadFil
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from patches.api import (
+from patchserve.patches.api import (
     BaseInfo,
     PredictRequest,
     PredictResponse,
@@ -19,13 +20,13 @@ from patches.api import (
     TaskSummary,
     VersionPublic,
 )
-from patches.cli import patch_summary
-from patches.errors import PatchError, PatchServeError, PatchTooLargeError
-from patches.format import Patch
-from server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
-from server.inference import Counted, name_task, run_rows
-from server.openapi import TaskName, errors
-from server.predict import check_request, decode, normalise_inputs
+from patchserve.patches.cli import patch_summary
+from patchserve.patches.errors import PatchError, PatchServeError, PatchTooLargeError
+from patchserve.patches.format import Patch
+from patchserve.server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
+from patchserve.server.inference import Counted, name_task, run_rows
+from patchserve.server.openapi import TaskName, errors
+from patchserve.server.predict import check_request, decode, normalise_inputs
 
 router = APIRouter()
 

@@ -7,13 +7,13 @@ from typing import Any
 from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile
 from fastapi.concurrency import run_in_threadpool
 
-from patches.api import JobPublic
-from patches.data import job_splits
-from patches.format import strict_json
-from patches.jobs import Gate, JobError, JobQueue
-from patches.train_config import TrainConfig, options
-from server.deps import AdminAuth, ReadAuth, ServiceDep
-from server.openapi import JobId, errors
+from patchserve.patches.api import JobPublic
+from patchserve.patches.data import job_splits
+from patchserve.patches.jobs import Gate, JobError, JobQueue
+from patchserve.patches.train_config import TrainConfig, options
+from patchserve.patches.validation import strict_json
+from patchserve.server.deps import AdminAuth, ReadAuth, ServiceDep
+from patchserve.server.openapi import JobId, errors
 
 router = APIRouter(tags=["jobs"])
 CONFIG_HELP = (

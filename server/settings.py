@@ -14,8 +14,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from patches.cli import DEFAULT_REGISTRY
-from patches.jobs import JobLimits
+from patchserve.patches.cli import DEFAULT_REGISTRY
+from patchserve.patches.jobs import JobLimits
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def available_cpus() -> int:
 
 
 def default_workers(gpu: bool, cpus: int | None = None) -> int:
-    """How many front ends ``--workers`` means when unset (README "How many front ends" has the measurements).
+    """How many front ends ``--workers`` means when unset (docs/architecture.md says why, with the measurements).
 
     On the CPU the engine's forward is the limit with any real model, and a front end needs a fraction of a core to
     keep it fed; on a GPU the front ends are the limit (the free-model grid: throughput grows up to one front end per
@@ -176,8 +176,7 @@ class ServerSettings(BaseSettings):
     )
     overlap_batches: bool = Field(
         False,
-        description="Launch the next batch while the GPU still runs the previous one (packed engine). Off until "
-        "measured on a GPU (docs/benchmarks/engine.md).",
+        description="Launch the next batch while the GPU still runs the previous one (packed engine).",
     )
     fold_ln_bias: bool = Field(
         True, description="Fold each LayerNorm's beta into the biases after it per task (exact; packed engine)."
@@ -192,7 +191,7 @@ class ServerSettings(BaseSettings):
     access_log: bool = Field(
         False,
         description="Log a line per HTTP request (uvicorn's access log). Off by default: at thousands of requests a "
-        "second it costs a front end about 7% of its time; /metrics counts requests by task and status.",
+        "second it costs a front end a measurable share of its time; /metrics counts requests by task and status.",
     )
 
     def front_ends(self, gpu: bool) -> int:

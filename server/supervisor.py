@@ -36,10 +36,10 @@ from uvicorn import Config
 from uvicorn.config import STARTUP_FAILURE as FRONT_END_STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Process as FrontEnd  # a uvicorn worker process with a health check
 
-from patches.encoder import resolve_device
-from server.app import ENGINE_ADDRESS_ENV, SETTINGS_ENV
-from server.engine.process import STARTUP_FAILURE, Startup, run_engine_process
-from server.settings import ServerSettings
+from patchserve.patches.encoder import resolve_device
+from patchserve.server.app import ENGINE_ADDRESS_ENV, SETTINGS_ENV
+from patchserve.server.engine.process import STARTUP_FAILURE, Startup, run_engine_process
+from patchserve.server.settings import ServerSettings
 
 log = logging.getLogger("patchserve.supervisor")
 
@@ -241,7 +241,7 @@ def serve(settings: ServerSettings) -> int:
     os.environ[ENGINE_ADDRESS_ENV] = address
     os.environ[SETTINGS_ENV] = settings.to_json()
     config = Config(
-        "server.app:front_end_factory",
+        "patchserve.server.app:front_end_factory",
         factory=True,
         host=settings.host,
         port=settings.port,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from patches.encoder import Encoder, load_encoder
-from patches.format import Patch
-from patches.store import Registry
-from patches.store.disk import DiskRegistry
-from patches.store.redis import RedisRegistry
+from patchserve.patches.encoder import Encoder, load_encoder
+from patchserve.patches.format import Patch
+from patchserve.patches.store import Registry
+from patchserve.patches.store.disk import DiskRegistry
+from patchserve.patches.store.redis import RedisRegistry
 from tests.helpers import make_patch, make_tiny_bert_folder, start_redis
 
 

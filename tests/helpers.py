@@ -9,9 +9,9 @@ from pathlib import Path
 
 from transformers import BertTokenizerFast
 
-from patches.synthetic import random_bert
-from patches.synthetic import random_patch as make_patch
 from patchserve.local import free_port, patchserve_process, served, start_redis, wait_ready
+from patchserve.patches.synthetic import random_bert
+from patchserve.patches.synthetic import random_patch as make_patch
 
 __all__ = ["free_port", "make_patch", "patchserve_process", "served", "start_redis", "wait_ready"]
 
@@ -163,7 +163,7 @@ def retired_patch(encoder, task: str = "sentiment", seed: int = 1):
 
 def training_data(tmp_path: Path, kind: str, n_train: int = 240, n_dev: int = 60):
     """A learnable synthetic task of ``kind``: (train, dev) datasets of seeded rows, written as JSONL and read back."""
-    from patches.data import load_dataset
+    from patchserve.patches.data import load_dataset
 
     train = load_dataset(write_jsonl(tmp_path / f"{kind}-train.jsonl", synthetic_rows(kind, n_train, seed=1)))
     dev = load_dataset(
@@ -176,7 +176,7 @@ def training_data(tmp_path: Path, kind: str, n_train: int = 240, n_dev: int = 60
 
 def train_config(**kw):
     """A TrainConfig for a quick CPU run on ``training_data``: ``kw`` override the settings."""
-    from patches.train_config import TrainConfig
+    from patchserve.patches.train_config import TrainConfig
 
     base = {
         "task": "t",

@@ -17,11 +17,11 @@ import redis
 import torch
 from fastapi.testclient import TestClient
 
-from patches.format import Patch
-from patches.model import TaskModel
-from patches.store import redact_url
-from server.app import create_app
-from server.settings import ServerSettings
+from patchserve.patches.format import Patch
+from patchserve.patches.model import TaskModel
+from patchserve.patches.store import redact_url
+from patchserve.server.app import create_app
+from patchserve.server.settings import ServerSettings
 from tests.helpers import make_patch, start_redis, synthetic_rows, wait_until
 
 
@@ -246,7 +246,7 @@ def test_a_retired_patch_type_in_the_registry_is_a_409_that_says_what_to_do(make
     """A registry an earlier release wrote may hold a bitfit-ln patch (a type since removed): predicting with it is
     a 409 naming the version and what to do, the task stays listed, a rollback serves again, and uploading one is
     refused."""
-    from patches.store import DiskRegistry
+    from patchserve.patches.store import DiskRegistry
     from tests.helpers import retired_patch
 
     good, old = make_patch(tiny_encoder, "t", seed=1), retired_patch(tiny_encoder, "t")
@@ -645,7 +645,7 @@ def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(make_cli
 
 def test_keep_versions_prunes_what_post_tasks_registers(tmp_path, tiny_bert_dir, tiny_encoder):
     """serve --keep-versions 2: each POST /tasks is followed by a prune of that task; the current version answers."""
-    from patches.store import DiskRegistry
+    from patchserve.patches.store import DiskRegistry
 
     reg = DiskRegistry(tmp_path / "reg")
     reg.retired_grace_s = 0.0  # no other replica here

@@ -12,8 +12,8 @@ from bench.baselines import C_GRID, embed, logreg, setfit, word_vectors
 from bench.few_sample import run_baseline, write_table
 from bench.quality import default_settings, differences, is_current
 from bench.quality import write_table as write_quality_table
-from patches.data import Dataset, Example
-from patches.encoder import default_encoder_path
+from patchserve.patches.data import Dataset, Example
+from patchserve.patches.encoder import default_encoder_path
 
 CPU = torch.device("cpu")
 

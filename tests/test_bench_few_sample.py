@@ -11,7 +11,7 @@ import torch
 from bench.baselines import BASELINES
 from bench.few_sample import QUICK_MIN_STEPS, quick_figures, render, sample, write_plot, write_table
 from bench.quality import already_run, changes, default_settings, differences, is_current, record_run
-from patches.data import load_dataset
+from patchserve.patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
 
 

@@ -20,10 +20,10 @@ from bench.quality import (
     write_plot,
     write_table,
 )
-from patches.data import DataFile, load_splits
-from patches.train_config import TrainConfig
+from patchserve.patches.data import DataFile, load_splits
+from patchserve.patches.train_config import TrainConfig
+from patchserve.trainer.train import train_patch
 from tests.helpers import synthetic_rows, write_jsonl
-from trainer.train import train_patch
 
 
 def test_runs_trained_together_train_as_each_would_alone(tiny_encoder, tmp_path):
@@ -71,7 +71,9 @@ def test_runs_recorded_with_since_retired_options_off_stay_current_and_on_show_t
     run = {"set": "rotten_tomatoes", "mode": "bitfit", "train_rows": 8530, "dev_rows": 1066}
     assert is_current(run | {"settings": then}) and is_current(run | {"settings": today})
     distilled = run | {"settings": then | {"distill": 0.5}}
-    assert not is_current(distilled) and differences(distilled) == "distill=0.5, distill_temperature=2.0"
+    assert not is_current(distilled) and differences(distilled) == "distill=0.5"  # the default temperature: unsaid
+    hotter = run | {"settings": then | {"distill": 0.5, "distill_temperature": 4.0}}
+    assert differences(hotter) == "distill=0.5, distill_temperature=4.0"
     staged = run | {"settings": then | {"contrastive": 8}}
     assert not is_current(staged) and differences(staged) == "contrastive=8"
 

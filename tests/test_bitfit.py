@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel
 
-from patches.bitfit import (
+from patchserve.patches.bitfit import (
     BIAS_SUBSETS,
     ROLE_ORDER,
     apply_values,
@@ -19,9 +19,9 @@ from patches.bitfit import (
     extract_patch,
     target_names,
 )
-from patches.errors import EncoderError, PatchKeysError
-from patches.format import BaseRef, Patch, PatchMeta
-from patches.model import TaskModel
+from patchserve.patches.errors import EncoderError, PatchKeysError
+from patchserve.patches.format import BaseRef, Patch, PatchMeta
+from patchserve.patches.model import TaskModel
 from tests.helpers import make_patch
 
 TINY = {

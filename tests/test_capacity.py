@@ -15,12 +15,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from patches.bitfit import apply_values
-from patches.encoder import load_encoder
-from patches.model import pool
-from patches.store import open_registry
-from server.app import create_app
-from server.settings import ServerSettings
+from patchserve.patches.bitfit import apply_values
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.model import pool
+from patchserve.patches.store import open_registry
+from patchserve.server.app import create_app
+from patchserve.server.settings import ServerSettings
 from tests.helpers import make_patch, make_tiny_bert_folder, start_redis
 
 BERT_BASE = {

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from safetensors.torch import save as st_save
 
-from patches.cli import main
+from patchserve.__main__ import main
 from tests.helpers import make_patch
 
 
@@ -72,7 +72,7 @@ def test_console_script_is_installed(tmp_path, tiny_encoder):
 def test_every_option_explains_itself_and_names_its_default(capsys):
     import argparse
 
-    from patches.cli import build_parser
+    from patchserve.__main__ import build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

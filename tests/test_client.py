@@ -10,8 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from patches.api import PairInput
-from patches.cli import main
+from patchserve.__main__ import main
 from patchserve.client import (
     AsyncClient,
     Client,
@@ -21,6 +20,7 @@ from patchserve.client import (
     NotFound,
     Unauthorized,
 )
+from patchserve.patches.api import PairInput
 from tests.helpers import make_patch, patchserve_process, served, synthetic_rows
 
 ADMIN, PREDICT = "client-admin", "client-predict"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from patches.data import DataError, load_dataset, split_dev
+from patchserve.patches.data import DataError, load_dataset, split_dev
 from tests.helpers import synthetic_rows, write_jsonl
 
 

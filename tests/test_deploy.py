@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.settings import ServerSettings
+from patchserve.server.app import create_app
+from patchserve.server.settings import ServerSettings
 from tests.helpers import make_patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_kserve_runtime_runs_the_real_serve_command_and_probes_real_routes():
     `patchserve serve`, its env vars are settings, and its probes are routes the server has."""
     import yaml
 
-    from patches.cli import build_parser
+    from patchserve.__main__ import build_parser
 
     spec = yaml.safe_load((ROOT / "deploy" / "kserve" / "inferenceservice.yaml").read_text())
     assert (spec["apiVersion"], spec["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")

@@ -12,10 +12,10 @@ import openai
 import pytest
 import torch
 
-from patches.encoder import load_encoder
-from patches.model import TaskModel, pool
-from server.engine.protocol import Row
-from server.engine.runner import Runner
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.model import TaskModel, pool
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import Runner
 from tests.helpers import make_patch, served
 
 TEXTS = ["the good movie", "a bad film", "what a boring plot"]

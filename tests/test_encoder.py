@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from patches.bitfit import target_names
-from patches.encoder import fingerprint_model, load_encoder
-from patches.errors import EncoderError
+from patchserve.patches.bitfit import target_names
+from patchserve.patches.encoder import fingerprint_model, load_encoder
+from patchserve.patches.errors import EncoderError
 from tests.helpers import make_tiny_bert_folder
 
 

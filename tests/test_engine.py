@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from patches.encoder import load_encoder
-from patches.model import TaskModel
-from server.engine.packed_backend import PackedBackend
-from server.engine.patch_cache import PatchCache
-from server.engine.protocol import Row
-from server.engine.runner import DTYPES, Runner
-from server.engine.slots import SlotManager, SlotsExhaustedError
-from server.engine.slotted import SlottedBackend, SlottedLinear
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.model import TaskModel
+from patchserve.server.engine.packed_backend import PackedBackend
+from patchserve.server.engine.patch_cache import PatchCache
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import DTYPES, Runner
+from patchserve.server.engine.slots import SlotManager, SlotsExhaustedError
+from patchserve.server.engine.slotted import SlottedBackend, SlottedLinear
 from tests.helpers import make_patch
 
 SENTENCES = [
@@ -221,7 +221,7 @@ def _spy_runner(tiny_bert_dir, slots):
 def test_batcher_mixes_tasks_and_drops_cancelled_rows(tiny_bert_dir, tiny_encoder):
     import asyncio
 
-    from server.engine.batcher import Batcher
+    from patchserve.server.engine.batcher import Batcher
 
     runner, batches = _spy_runner(tiny_bert_dir, slots=4)
     pa, pb = make_patch(tiny_encoder, "a", seed=1), make_patch(tiny_encoder, "b", seed=2)
@@ -245,7 +245,7 @@ def test_batcher_mixes_tasks_and_drops_cancelled_rows(tiny_bert_dir, tiny_encode
 def test_batcher_respects_row_and_patch_bounds(tiny_bert_dir, tiny_encoder):
     import asyncio
 
-    from server.engine.batcher import Batcher
+    from patchserve.server.engine.batcher import Batcher
 
     runner, batches = _spy_runner(tiny_bert_dir, slots=2)
     patches = [make_patch(tiny_encoder, f"t{i}", seed=i) for i in range(3)]
@@ -273,7 +273,7 @@ def test_batcher_serves_a_deep_queue_once_each_oldest_first(tiny_bert_dir, tiny_
     import asyncio
     import random
 
-    from server.engine.batcher import Batcher
+    from patchserve.server.engine.batcher import Batcher
 
     runner, batches = _spy_runner(tiny_bert_dir, slots=3)
     patches = [make_patch(tiny_encoder, f"t{i}", seed=i) for i in range(5)]

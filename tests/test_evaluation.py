@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 
-from patches.model import TaskModel
-from patches.train_config import TrainConfig, is_bio_scheme
+from patchserve.patches.model import TaskModel
+from patchserve.patches.train_config import TrainConfig, is_bio_scheme
+from patchserve.trainer.evaluation import evaluate, label_vectors
+from patchserve.trainer.features import featurize
+from patchserve.trainer.metrics import classification_metrics, tagging_metrics
+from patchserve.trainer.models import PaddedRun
+from patchserve.trainer.progress import TrainingStopped
+from patchserve.trainer.train import PatchTraining
 from tests.helpers import name_vector, training_data
-from trainer.evaluation import evaluate, label_vectors
-from trainer.features import featurize
-from trainer.metrics import classification_metrics, tagging_metrics
-from trainer.models import PaddedRun
-from trainer.progress import TrainingStopped
-from trainer.train import PatchTraining
 
 
 def test_metric_values_match_hand_computed_ones():
@@ -70,7 +70,7 @@ def test_label_names_read_as_lower_case_text_with_underscores_as_spaces(tiny_enc
 
 
 def test_a_label_name_head_on_the_real_encoder_classifies_sentiment_before_any_training(minilm):
-    from patches.data import Dataset, Example
+    from patchserve.patches.data import Dataset, Example
 
     train = Dataset(
         examples=[Example(text="a film", label=label) for label in ("negative", "positive")],

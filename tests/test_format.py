@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from patches.errors import (
+from patchserve.patches.errors import (
     FingerprintMismatchError,
     PatchCorruptError,
     PatchError,
@@ -21,7 +21,8 @@ from patches.errors import (
     PatchValueError,
     PatchVersionError,
 )
-from patches.format import METADATA_KEY, BaseSpec, Patch, validate_task_name
+from patchserve.patches.format import METADATA_KEY, BaseSpec, Patch
+from patchserve.patches.validation import validate_task_name
 from tests.helpers import make_patch
 
 
@@ -284,7 +285,7 @@ def test_scales_need_their_patch_type_and_fit_the_encoder(tiny_encoder):
 def test_a_retired_patch_type_is_refused_with_what_to_do(tiny_encoder):
     """bitfit-ln (biases and LayerNorm gains), written by earlier releases, is no longer served: reading one says
     so and what to do, instead of asking for an upgrade."""
-    from patches.errors import RetiredPatchTypeError
+    from patchserve.patches.errors import RetiredPatchTypeError
     from tests.helpers import retired_patch
 
     with pytest.raises(RetiredPatchTypeError, match=r"'bitfit-ln' \(biases and every LayerNorm's gain\) is no longer"):
@@ -301,7 +302,7 @@ def test_valid_task_names(name):
     ["", "../x", "a/b", "..", ".hidden", "-dash", "a..b", "x" * 65, "sp ace", "é", "sent\n", "a\x00b", "x\r", "\tx"],
 )
 def test_invalid_task_names(name):
-    from patches.errors import InvalidTaskNameError
+    from patchserve.patches.errors import InvalidTaskNameError
 
     with pytest.raises(InvalidTaskNameError):
         validate_task_name(name)

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from patches.format import Patch
+from patchserve.patches.format import Patch
 from tests.helpers import make_patch, served
 
 TOKEN = "oip-predict"

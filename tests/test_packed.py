@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from patches.encoder import load_encoder
-from patches.model import TaskModel, pool
-from patches.packed import PackedBert, packed_unsupported
-from server.engine.packed_backend import PackedBackend
-from server.engine.protocol import Row
-from server.engine.runner import DTYPES, Runner
-from server.engine.slotted import SlottedBackend
+from patchserve.patches.encoder import load_encoder
+from patchserve.patches.model import TaskModel, pool
+from patchserve.patches.packed import PackedBert, packed_unsupported
+from patchserve.server.engine.packed_backend import PackedBackend
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import DTYPES, Runner
+from patchserve.server.engine.slotted import SlottedBackend
 from tests.helpers import make_patch
 from tests.test_engine import SENTENCES, _reference, _rows
 
@@ -164,7 +164,7 @@ def test_batcher_overlaps_two_batches(tiny_bert_dir, tiny_encoder, device):
     then retries), and every row still gets what its task gives alone."""
     import asyncio
 
-    from server.engine.batcher import Batcher
+    from patchserve.server.engine.batcher import Batcher
 
     dtype = "float16" if device == "cuda" else "float32"
     runner = Runner(load_encoder(str(tiny_bert_dir)), device=device, dtype=dtype, slots=3, overlap_batches=True)

@@ -9,15 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, scale_names, target_names
-from patches.model import TaskModel
-from patches.packed import add_exact_attention, dropout, keep_mask
-from patches.packed_model import PackedTaskModel, joint_forward, training_bert
+from patchserve.patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, scale_names, target_names
+from patchserve.patches.model import TaskModel
+from patchserve.patches.packed import dropout, keep_mask
+from patchserve.patches.packed_layout import add_exact_attention
+from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_bert
+from patchserve.trainer.features import Features, collate, featurize
+from patchserve.trainer.models import set_dropout
+from patchserve.trainer.runs import loss_fn
+from patchserve.trainer.train import train_patch
 from tests.helpers import train_config, training_data
-from trainer.features import Features, collate, featurize
-from trainer.models import set_dropout
-from trainer.runs import loss_fn
-from trainer.train import train_patch
 
 SENTENCES = [
     "the cat sat",

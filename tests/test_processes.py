@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from patches.store import open_registry
-from server.app import create_app
-from server.engine.local import LocalEngine
-from server.engine.patch_cache import PatchCache
-from server.engine.process import EngineServer, engine_info
-from server.engine.protocol import Row
-from server.engine.remote import RemoteEngine
-from server.metrics import Metrics
-from server.settings import ServerSettings, available_cpus
+from patchserve.patches.store import open_registry
+from patchserve.server.app import create_app
+from patchserve.server.engine.local import LocalEngine
+from patchserve.server.engine.patch_cache import PatchCache
+from patchserve.server.engine.process import EngineServer, engine_info
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.remote import RemoteEngine
+from patchserve.server.metrics import Metrics
+from patchserve.server.settings import ServerSettings, available_cpus
 from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
 
 TEXTS = ["the good movie", "a bad film", "the cat runs quickly", "what is the name of the city"]
@@ -252,7 +252,7 @@ def test_an_engine_that_cannot_start_stops_serve_with_status_3(tmp_path):
 
 
 def test_an_engine_that_keeps_dying_stops_serve_with_status_1(tmp_path, tiny_bert_dir, registry_url):
-    from server.supervisor import MAX_ENGINE_DEATHS
+    from patchserve.server.supervisor import MAX_ENGINE_DEATHS
 
     with multi(tmp_path, tiny_bert_dir, registry_url) as server:
         for _ in range(MAX_ENGINE_DEATHS + 1):
@@ -267,7 +267,7 @@ def test_an_engine_that_keeps_dying_stops_serve_with_status_1(tmp_path, tiny_ber
 def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_path, tiny_bert_dir, tiny_encoder):
     """The engine keeps a byte-bounded cache of the patches it was sent (here: room for one); a request for one it
     evicted is answered Missing, and the front end sends it again with the bytes."""
-    from patches.encoder import load_encoder
+    from patchserve.patches.encoder import load_encoder
 
     patches = [make_patch(tiny_encoder, f"t{i}", seed=i + 1) for i in range(3)]
     settings = ServerSettings(model=str(tiny_bert_dir), device="cpu", slots=2)
@@ -317,7 +317,7 @@ def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_
 
 
 def test_default_front_ends_and_engine_threads_follow_the_cores(monkeypatch):
-    import server.settings as settings_module
+    import patchserve.server.settings as settings_module
 
     cores = (1, 2, 3, 4, 8, 16, 64)
     assert [settings_module.default_workers(True, n) for n in cores] == [1, 2, 3, 4, 8, 8, 8]

@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from patches.api import PredictRequest
-from patches.data import DataError, DataFile, job_splits, parse_dataset
-from patches.errors import PatchError
-from patches.format import METADATA_KEY, Patch, PatchMeta
-from patches.jobs import Gate, JobError
-from patches.train_config import TrainConfig
-from server.predict import InputError, normalise_inputs
+from patchserve.patches.api import PredictRequest
+from patchserve.patches.data import DataError, DataFile, job_splits, parse_dataset
+from patchserve.patches.errors import PatchError
+from patchserve.patches.format import METADATA_KEY, Patch, PatchMeta
+from patchserve.patches.jobs import Gate, JobError
+from patchserve.patches.train_config import TrainConfig
+from patchserve.server.predict import InputError, normalise_inputs
 from tests.helpers import make_patch
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -12,11 +12,11 @@ import httpx
 import pytest
 import redis
 
-from patches.errors import RegistryError, RegistryUnavailableError, ReplicationError
-from patches.jobs import JobNotFoundError, JobQueue
-from patches.store import open_registry, redact_url
-from patches.store.redis import parse_sentinel_url
 from patchserve.local import SentinelRedis
+from patchserve.patches.errors import RegistryError, RegistryUnavailableError, ReplicationError
+from patchserve.patches.jobs import JobNotFoundError, JobQueue
+from patchserve.patches.store import open_registry, redact_url
+from patchserve.patches.store.redis_client import parse_sentinel_url
 from tests.helpers import free_port, make_patch, patchserve_process, wait_ready, wait_until
 
 
@@ -285,8 +285,8 @@ def test_a_write_no_replica_confirms_answers_503_saying_it_may_have_happened(red
     answers 503 (Retry-After) saying so, and the client can see it is there; a job submission likewise."""
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
-    from server.settings import ServerSettings
+    from patchserve.server.app import create_app
+    from patchserve.server.settings import ServerSettings
 
     url = f"{redis_url}?prefix=minrep-{time.monotonic_ns()}:"
     reg = open_registry(url, min_replicas=1)
@@ -315,7 +315,7 @@ def test_a_write_and_its_wait_never_straddle_two_connections(tmp_path):
     answer at once with that replica, acknowledging a write no replica holds. It must fail instead."""
     import subprocess
 
-    from patches.store.redis import DurableWrites
+    from patchserve.patches.store.redis_client import DurableWrites
     from tests.helpers import start_redis
 
     primary, url = start_redis(tmp_path)

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from patches.errors import (
+from patchserve.patches.errors import (
     InvalidTaskNameError,
     RegistryError,
     RegistryUnavailableError,
     TaskNotFoundError,
     VersionNotFoundError,
 )
-from patches.store import Change, DiskRegistry, open_registry
-from patches.store.redis import RedisRegistry, parse_redis_url
+from patchserve.patches.store import Change, DiskRegistry, open_registry
+from patchserve.patches.store.redis import RedisRegistry
+from patchserve.patches.store.redis_client import parse_redis_url
 from tests.helpers import make_patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +208,7 @@ def test_disk_crash_mid_write_keeps_previous_version(tmp_path, patches_abc, monk
     reg = DiskRegistry(tmp_path / "reg")
     a, b, c = patches_abc
     reg.put(a)
-    import patches.store.disk as disk
+    import patchserve.patches.store.disk as disk
 
     real = disk.atomic_write
 
@@ -232,8 +233,8 @@ def test_disk_crash_mid_write_keeps_previous_version(tmp_path, patches_abc, monk
 # manifest, then GENERATION; delete the task folder (into trash), then GENERATION.
 _CRASHING_CHILD = """
 import os, sys
-from patches.format import Patch
-from patches.store.disk import DiskRegistry
+from patchserve.patches.format import Patch
+from patchserve.patches.store.disk import DiskRegistry
 root, op, crash_at, patch_file = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 reg = DiskRegistry(root)
 renames, real = [0], os.replace
@@ -302,8 +303,8 @@ def test_disk_registry_is_safe_at_every_crash_point_for_watchers_too(tmp_path, p
 
 _PUTTING_CHILD = """
 import sys
-from patches.format import Patch
-from patches.store.disk import DiskRegistry
+from patchserve.patches.format import Patch
+from patchserve.patches.store.disk import DiskRegistry
 reg, patch = DiskRegistry(sys.argv[1]), Patch.read(sys.argv[2])
 while True:
     print(reg.put(patch).version, flush=True)
@@ -489,13 +490,13 @@ def test_keep_versions_prunes_after_every_registration(registry, patches_abc):
 def make_patch_for(patch, task):
     from dataclasses import replace
 
-    from patches.format import Patch
+    from patchserve.patches.format import Patch
 
     return Patch(replace(patch.meta, task=task), patch.biases, patch.head_weight, patch.head_bias)
 
 
 def test_patchserve_prune_dry_run_then_for_real(tmp_path, patches_abc, capsys):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     reg = DiskRegistry(tmp_path / "reg")
     for patch in (patches_abc[0], make_patch_for(patches_abc[0], "other")):
@@ -528,7 +529,7 @@ def test_a_retired_patch_type_is_named_with_what_to_do_and_prune_unservable_remo
     """A registry written by an earlier release may hold a bitfit-ln patch, a type this build no longer serves:
     reading it is a clear error naming the task, version and patch id and saying what to do; prune's ``also``
     deletes it (unservable() finds it), never the current version."""
-    from patches.errors import RetiredPatchTypeError
+    from patchserve.patches.errors import RetiredPatchTypeError
     from tests.helpers import retired_patch
 
     old = retired_patch(tiny_encoder)
@@ -554,7 +555,7 @@ def test_a_retired_patch_type_is_named_with_what_to_do_and_prune_unservable_remo
 def test_patchserve_prune_unservable_deletes_retired_versions_and_names_a_current_one(
     tmp_path, patches_abc, tiny_encoder, capsys
 ):
-    from patches.cli import main
+    from patchserve.__main__ import main
     from tests.helpers import retired_patch
 
     reg = DiskRegistry(tmp_path / "reg")

@@ -1,6 +1,6 @@
 """The docker-compose topology as processes on loopback: one redis-server, two server replicas sharing it, one
-trainer worker. Runs the README's compose session over HTTP: train job -> registered on both replicas -> predict
--> new version -> rollback, asserting every response."""
+trainer worker. Runs the compose session of docs/deploy.md over HTTP: train job -> registered on both replicas ->
+predict -> new version -> rollback, asserting every response."""
 
 from __future__ import annotations
 

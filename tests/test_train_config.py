@@ -8,10 +8,10 @@ from typing import get_args
 
 import pytest
 
-from patches.bitfit import BIAS_SUBSETS
-from patches.format import KINDS, POOLINGS
-from patches.jobs import JobError, JobLimits
-from patches.train_config import (
+from patchserve.patches.bitfit import BIAS_SUBSETS
+from patchserve.patches.format import KINDS, POOLINGS
+from patchserve.patches.jobs import JobError, JobLimits
+from patchserve.patches.train_config import (
     SELECTION_METRICS,
     BiasSubset,
     Kind,
@@ -20,7 +20,7 @@ from patches.train_config import (
     TrainConfig,
     options,
 )
-from trainer.cli import add_training_options, config_from_args
+from patchserve.trainer.cli import add_training_options, config_from_args
 
 
 def test_every_option_is_declared_with_help_and_the_choices_its_owners_know():
@@ -69,7 +69,7 @@ def test_the_cli_flags_are_the_options_and_only_what_was_given_is_sent():
 
 
 def test_every_option_has_a_flag_on_train_and_submit(capsys):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     for command in ("train", "submit"):
         with pytest.raises(SystemExit):

@@ -7,19 +7,19 @@ import copy
 import pytest
 import torch
 
-from patches.bitfit import bias_parameters, ia3_sites, target_names
-from patches.data import DataError, load_dataset, split_dev
-from patches.format import Patch
-from patches.jobs import JobError
-from patches.model import TaskModel
-from patches.train_config import TrainConfig
+from patchserve.patches.bitfit import bias_parameters, ia3_sites, target_names
+from patchserve.patches.data import DataError, load_dataset, split_dev
+from patchserve.patches.format import Patch
+from patchserve.patches.jobs import JobError
+from patchserve.patches.model import TaskModel
+from patchserve.patches.train_config import TrainConfig
+from patchserve.trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
+from patchserve.trainer.evaluation import evaluate
+from patchserve.trainer.features import featurize
+from patchserve.trainer.joint import JointTrainer
+from patchserve.trainer.models import PackedRuns, PaddedRun
+from patchserve.trainer.train import PatchTraining, train_patch
 from tests.helpers import name_vector, synthetic_rows, train_config, training_data, write_jsonl
-from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
-from trainer.evaluation import evaluate
-from trainer.features import featurize
-from trainer.joint import JointTrainer
-from trainer.models import PackedRuns, PaddedRun
-from trainer.train import PatchTraining, train_patch
 
 
 def test_dev_accuracy_rises_on_a_learnable_task(tmp_path, tiny_encoder):
@@ -281,9 +281,9 @@ def test_a_dev_set_too_small_to_rank_checkpoints_keeps_the_last_one(tmp_path, ti
 
 def _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, labels) -> None:
     """Served by the engine in one batch, the result's patch answers every dev row as the trained model does."""
-    from patches.encoder import load_encoder
-    from server.engine.protocol import Row
-    from server.engine.runner import Runner
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.server.engine.protocol import Row
+    from patchserve.server.engine.runner import Runner
 
     feats = featurize(tiny_encoder.tokenizer, dev, labels, 32)
     served = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2).run(

@@ -7,15 +7,15 @@ import json
 import pytest
 import redis
 
-from patches.data import DataError, DataFile, load_dataset, load_splits
-from patches.format import Patch
+from patchserve.patches.data import DataError, DataFile, load_dataset, load_splits
+from patchserve.patches.format import Patch
+from patchserve.trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
+from patchserve.trainer.progress import progress_logger
 from tests.helpers import free_port, start_redis, synthetic_rows, write_jsonl
-from trainer.cli import register_commands  # noqa: F401 - the commands must import cleanly
-from trainer.progress import progress_logger
 
 
 def test_cli_train_eval_and_report(tmp_path, tiny_bert_dir, capsys):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 120, seed=1))
     test = write_jsonl(tmp_path / "test.jsonl", synthetic_rows("classification", 40, seed=3))
@@ -120,7 +120,7 @@ def test_progress_logger_prints_prefixed_lines_off_a_terminal_and_nothing_on_one
 def test_cli_train_checks_where_the_patch_goes_first_and_never_loses_a_trained_patch(
     tmp_path, tiny_bert_dir, capsys, monkeypatch
 ):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     monkeypatch.chdir(tmp_path)
     train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows("classification", 60, seed=1))
@@ -161,7 +161,7 @@ def test_cli_train_checks_where_the_patch_goes_first_and_never_loses_a_trained_p
 def test_a_tag_only_dev_and_test_carry_joins_the_tag_set_and_counts_as_an_error(tmp_path, tiny_bert_dir, capsys):
     # Brown's part-of-speech dev and test files carry contractions (pn+bez...) that its training sentences lack:
     # the task must still train, and the tokens of such a tag count as errors, since the patch never learnt it
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     def retag(rows: list[dict]) -> list[dict]:
         return [
@@ -191,7 +191,7 @@ def test_a_tag_only_dev_and_test_carry_joins_the_tag_set_and_counts_as_an_error(
 
 
 def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_bert_dir, capsys):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
     out = tmp_path / "sent.safetensors"
@@ -207,7 +207,7 @@ def test_cli_train_takes_scales_and_inspect_shows_the_patch_type(tmp_path, tiny_
 
 
 def test_cli_train_takes_head_init(tmp_path, tiny_bert_dir, capsys):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     rows = write_jsonl(tmp_path / "sent.jsonl", synthetic_rows("classification", 40, seed=1))
     argv = ["train", "--task", "sent", "--model", str(tiny_bert_dir), "--device", "cpu", "--min-steps", "4"]

@@ -18,7 +18,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
-from patches.jobs import JobQueue
+from patchserve.patches.jobs import JobQueue
 from tests.helpers import make_patch, served, synthetic_rows
 
 ADMIN = "ui-admin"

@@ -19,12 +19,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from patches.jobs import JobError, JobLimits, JobQueue, JobStateError
-from patches.store.redis import RedisRegistry
-from server.app import create_app
-from server.settings import ServerSettings
+from patchserve.patches.jobs import JobError, JobLimits, JobQueue, JobStateError
+from patchserve.patches.store.redis import RedisRegistry
+from patchserve.server.app import create_app
+from patchserve.server.settings import ServerSettings
+from patchserve.trainer.worker import Worker
 from tests.helpers import synthetic_rows
-from trainer.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -73,7 +73,7 @@ def test_job_lifecycle_registers_a_patch(redis_ns, tiny_encoder, caplog):
     _url, reg, queue = redis_ns
     job = queue.submit(CONFIG, _files())
     assert queue.get(job.id).status == "queued" and queue.list()[0].id == job.id
-    with caplog.at_level(logging.INFO, logger="trainer.worker"):
+    with caplog.at_level(logging.INFO, logger="patchserve.trainer.worker"):
         assert Worker(queue, reg, tiny_encoder, name="w1", block_s=0.2).run(max_jobs=1) == 1
     assert any(f"job {job.id}: step " in r.getMessage() for r in caplog.records), "progress also goes to the log"
     done = queue.get(job.id)
@@ -246,7 +246,7 @@ def test_job_api_refuses_bad_data_at_once_naming_file_and_line(redis_ns, tiny_be
 
 
 def test_cli_submit_checks_the_data_before_queueing(redis_ns, tmp_path, tiny_encoder, capsys, monkeypatch):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     url, reg, queue = redis_ns
     monkeypatch.setenv("PATCHSERVE_QUEUE", url)
@@ -292,7 +292,7 @@ def test_several_workers_share_one_queue(redis_ns, tiny_bert_dir):
     """Two workers, four jobs: every job runs exactly once, and both workers take part. The workers keep their
     default names: two in one process (as two containers on the host's network share a hostname and pid 1) must
     still be two consumers of the queue."""
-    from patches.encoder import load_encoder
+    from patchserve.patches.encoder import load_encoder
 
     _url, reg, queue = redis_ns
     jobs = [
@@ -464,7 +464,7 @@ def test_cancel_a_running_job_through_the_api_stops_it_at_its_next_update(redis_
 
 
 def test_a_worker_given_sigterm_hands_its_job_back_at_once(redis_ns, tiny_bert_dir, tiny_encoder, capsys):
-    from patches.cli import main
+    from patchserve.__main__ import main
 
     url, reg, queue = redis_ns
     exe = shutil.which("patchserve")
@@ -519,9 +519,9 @@ def _pending(queue) -> int:
 def test_concurrent_jobs_train_in_one_batch_each_as_it_would_alone(redis_ns, tiny_encoder):
     """--concurrent-jobs 2: a long job and a short one of another kind train together; when the short one leaves,
     a job submitted later joins the long one. Each registers once, a patch equal to the same job trained alone."""
-    from patches.data import job_splits
-    from patches.train_config import TrainConfig
-    from trainer.train import train_patch
+    from patchserve.patches.data import job_splits
+    from patchserve.patches.train_config import TrainConfig
+    from patchserve.trainer.train import train_patch
 
     _url, reg, queue = redis_ns
     plain = CONFIG | {"dropout": 0.0, "eval_every": 10, "min_steps": 30}  # no dropout: runs are reproducible

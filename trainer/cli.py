@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patches.cli import add_min_replicas_option, add_registry_option, add_retention_option
-from patches.store.base import redact_url
-from patches.train_config import Option, options
+from patchserve.patches.cli import add_min_replicas_option, add_registry_option, add_retention_option
+from patchserve.patches.store.base import redact_url
+from patchserve.patches.train_config import Option, options
 
 SUMMARY_KEYS = (
     "task",
@@ -62,12 +62,12 @@ def _write_patch(path: Path, data: bytes) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from patches.data import DataFile, load_splits
-    from patches.encoder import load_encoder
-    from patches.train_config import TrainConfig
-    from trainer.progress import progress_logger
-    from trainer.report import write_json, write_png
-    from trainer.train import train_patch
+    from patchserve.patches.data import DataFile, load_splits
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.train_config import TrainConfig
+    from patchserve.trainer.progress import progress_logger
+    from patchserve.trainer.report import write_json, write_png
+    from patchserve.trainer.train import train_patch
 
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
@@ -89,7 +89,7 @@ def _train(args: argparse.Namespace) -> int:
             return 2
     registry = None
     if args.registry_given and not args.full:
-        from patches.store import open_registry
+        from patchserve.patches.store import open_registry
 
         registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
         registry.ping()
@@ -140,12 +140,12 @@ def _deliver(patch: Any, out: Path | None, registry: Any, args: argparse.Namespa
 def _eval(args: argparse.Namespace) -> int:
     import copy
 
-    from patches.data import load_dataset
-    from patches.encoder import load_encoder
-    from patches.format import Patch
-    from patches.model import TaskModel
-    from trainer.evaluation import evaluate
-    from trainer.features import featurize
+    from patchserve.patches.data import load_dataset
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.format import Patch
+    from patchserve.patches.model import TaskModel
+    from patchserve.trainer.evaluation import evaluate
+    from patchserve.trainer.features import featurize
 
     patch = Patch.read(args.patch)
     encoder = load_encoder(args.model)
@@ -193,10 +193,10 @@ def _worker(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from patches.encoder import load_encoder
-    from patches.jobs import JobLimits, JobQueue
-    from patches.store import open_registry
-    from trainer.worker import Worker
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.jobs import JobLimits, JobQueue
+    from patchserve.patches.store import open_registry
+    from patchserve.trainer.worker import Worker
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     queue = JobQueue(_queue_url(args), min_replicas=args.redis_min_replicas)
@@ -225,9 +225,9 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from patches.data import DataFile, job_splits
-    from patches.jobs import JobQueue
-    from patches.train_config import TrainConfig
+    from patchserve.patches.data import DataFile, job_splits
+    from patchserve.patches.jobs import JobQueue
+    from patchserve.patches.train_config import TrainConfig
 
     files = {}
     for role in ("train", "dev", "test"):
@@ -245,7 +245,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    from patches.jobs import JobQueue
+    from patchserve.patches.jobs import JobQueue
 
     words = list(args.words)
     if len(words) > 2 or (len(words) == 2 and words[0] != "cancel") or words == ["cancel"]:
@@ -279,6 +279,15 @@ class _RegistryGiven(argparse.Action):
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
+    """``train``, ``eval``, ``worker``, ``submit`` and ``jobs``."""
+    _add_train(sub)
+    _add_eval(sub)
+    _add_worker(sub)
+    _add_submit(sub)
+    _add_jobs(sub)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train a BitFit patch on a labelled JSONL/CSV file",
@@ -305,6 +314,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     add_min_replicas_option(p)
     p.set_defaults(func=_train, registry_given=False)
 
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
         help="score a patch on a labelled file",
@@ -318,6 +329,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="rows per evaluation batch (default 64)")
     p.set_defaults(func=_eval)
 
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "worker",
         help="train queued jobs and register the patches that pass their gate",
@@ -386,6 +399,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
     p.set_defaults(func=_worker)
 
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "submit",
         help="queue a training job for the workers",
@@ -402,6 +417,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     add_min_replicas_option(p)
     p.set_defaults(func=_submit)
 
+
+def _add_jobs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "jobs",
         help="show training jobs (all recent ones, or one by id), or cancel one",

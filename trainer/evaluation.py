@@ -10,15 +10,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from patches.encoder import Encoder
-from patches.format import Label
-from patches.model import TaskModel, pool
-from trainer.features import IGNORE, Features, collate
-from trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
-from trainer.progress import StopFn, TrainingStopped, never
+from patchserve.patches.encoder import Encoder
+from patchserve.patches.model import TaskModel, pool
+from patchserve.patches.validation import Label
+from patchserve.trainer.features import IGNORE, Features, collate
+from patchserve.trainer.metrics import classification_metrics, regression_metrics, tagging_metrics
+from patchserve.trainer.progress import StopFn, TrainingStopped, never
 
 if TYPE_CHECKING:
-    from trainer.models import RunModel
+    from patchserve.trainer.models import RunModel
 
 
 @contextlib.contextmanager

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from patches.data import Dataset
-from patches.format import Label
+from patchserve.patches.data import Dataset
+from patchserve.patches.validation import Label
 
 IGNORE = -100  # the label of a token that is not scored (a word's later sub-words, special tokens, padding)
 

@@ -7,16 +7,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer.models import RunModel
-from trainer.progress import TrainingStopped
+from patchserve.trainer.models import RunModel
+from patchserve.trainer.progress import TrainingStopped
 
 if TYPE_CHECKING:
-    from trainer.train import PatchTraining
+    from patchserve.trainer.train import PatchTraining
 
 
 class Stage(Protocol):
     """A stage of a job's training, an update at a time: its rows (``next_update``), their losses from the logits
-    its model gave them, and what it does with the gradients (``apply``). ``trainer.runs.RunGroup`` is one."""
+    its model gave them, and what it does with the gradients (``apply``). ``patchserve.trainer.runs.RunGroup`` is
+    one."""
 
     name: str | None  # named in TrainingStopped and progress; None: the job's runs
     model: RunModel

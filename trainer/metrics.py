@@ -18,8 +18,8 @@ import numpy as np
 from seqeval.metrics.sequence_labeling import precision_recall_fscore_support as entity_scores
 from sklearn.metrics import f1_score
 
-from patches.format import Label
-from patches.train_config import is_bio_scheme
+from patchserve.patches.train_config import is_bio_scheme
+from patchserve.patches.validation import Label
 
 
 def rankdata(a: np.ndarray) -> np.ndarray:

@@ -1,9 +1,9 @@
 """The model a group of runs trains: one interface (``RunModel``), two implementations.
 
-``PackedRuns`` holds K runs of one task over the frozen encoder in one padding-free batch (``patches.packed_model``:
-each row carries its run's biases, each run keeps its own head), and models over one shared ``training_bert`` encode
-their rows together. ``PaddedRun`` is one run on a padded copy of the encoder: full fine-tuning, and encoders the
-packed model does not cover. The trainer never asks which of the two it holds.
+``PackedRuns`` holds K runs of one task over the frozen encoder in one padding-free batch
+(``patchserve.patches.packed_model``: each row carries its run's biases, each run keeps its own head), and models over
+one shared ``training_bert`` encode their rows together. ``PaddedRun`` is one run on a padded copy of the encoder: full
+fine-tuning, and encoders the packed model does not cover. The trainer never asks which of the two it holds.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from patches.bitfit import bias_parameters, trained_names
-from patches.model import TaskModel
-from patches.packed import PackedBert
-from patches.packed_model import PackedTaskModel, joint_forward
-from patches.train_config import TrainConfig
+from patchserve.patches.bitfit import bias_parameters, trained_names
+from patchserve.patches.model import TaskModel
+from patchserve.patches.packed import PackedBert
+from patchserve.patches.packed_model import PackedTaskModel, joint_forward
+from patchserve.patches.train_config import TrainConfig
 
-Batch = Mapping[str, torch.Tensor]  # ``trainer.features.collate``'s padded batch
+Batch = Mapping[str, torch.Tensor]  # ``patchserve.trainer.features.collate``'s padded batch
 
 
 class RunModel(Protocol):

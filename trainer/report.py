@@ -17,13 +17,22 @@ from typing import Any
 
 from torch import nn
 
-from patches.bitfit import ROLE_ORDER, SCALES, bias_parameters, bias_roles, extract_patch, ia3_roles, ia3_values
-from patches.data import Dataset
-from patches.encoder import Encoder
-from patches.errors import EncoderError
-from patches.format import BaseRef, Label, Patch, PatchMeta
-from patches.model import TaskModel
-from trainer.selection import Plan
+from patchserve.patches.bitfit import (
+    ROLE_ORDER,
+    SCALES,
+    bias_parameters,
+    bias_roles,
+    extract_patch,
+    ia3_roles,
+    ia3_values,
+)
+from patchserve.patches.data import Dataset
+from patchserve.patches.encoder import Encoder
+from patchserve.patches.errors import EncoderError
+from patchserve.patches.format import BaseRef, Patch, PatchMeta
+from patchserve.patches.model import TaskModel
+from patchserve.patches.validation import Label
+from patchserve.trainer.selection import Plan
 
 log = logging.getLogger(__name__)
 SHOWN_RUN = ("seed", "lr", "best_dev", "best_step", "steps", "seconds")  # what the report lists of every run

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from patches.format import Label
-from patches.train_config import TrainConfig
-from trainer.evaluation import evaluate_runs
-from trainer.features import IGNORE, Features, collate
-from trainer.models import RunModel
-from trainer.progress import ProgressFn, StopFn, TrainingStopped, progress_bar
+from patchserve.patches.train_config import TrainConfig
+from patchserve.patches.validation import Label
+from patchserve.trainer.evaluation import evaluate_runs
+from patchserve.trainer.features import IGNORE, Features, collate
+from patchserve.trainer.models import RunModel
+from patchserve.trainer.progress import ProgressFn, StopFn, TrainingStopped, progress_bar
 
 
 @dataclass(frozen=True)

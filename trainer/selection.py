@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from patches.train_config import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
+from patchserve.patches.train_config import SMALL_DATA_ROWS, SMALL_DEV_ROWS, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -22,19 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from patches.data import Dataset
-from patches.encoder import Encoder, resolve_device
-from patches.format import Patch
-from patches.model import TaskModel
-from patches.packed import PackedBert, packed_unsupported
-from patches.train_config import TrainConfig
-from trainer import report, selection
-from trainer.evaluation import evaluate_runs, label_vectors
-from trainer.features import Features, featurize
-from trainer.joint import JointTrainer
-from trainer.models import PackedRuns, PaddedRun, RunModel
-from trainer.progress import ProgressFn, StopFn, TrainingStopped, never
-from trainer.runs import RunGroup, TrainingContext
+from patchserve.patches.data import Dataset
+from patchserve.patches.encoder import Encoder, resolve_device
+from patchserve.patches.format import Patch
+from patchserve.patches.model import TaskModel
+from patchserve.patches.packed import PackedBert, packed_unsupported
+from patchserve.patches.train_config import TrainConfig
+from patchserve.trainer import report, selection
+from patchserve.trainer.evaluation import evaluate_runs, label_vectors
+from patchserve.trainer.features import Features, featurize
+from patchserve.trainer.joint import JointTrainer
+from patchserve.trainer.models import PackedRuns, PaddedRun, RunModel
+from patchserve.trainer.progress import ProgressFn, StopFn, TrainingStopped, never
+from patchserve.trainer.runs import RunGroup, TrainingContext
 
 Result = tuple[RunModel, dict[str, Any]]  # a trained run: its model and its RunGroup.results() entry
 

@@ -3,8 +3,8 @@
 The encoder is loaded once at start-up and handed to every job. Several workers (on several machines) share one
 queue; each job goes to one of them. A worker killed mid-job leaves its job pending; another worker claims it once
 the lease has run out and retries it. A worker told to stop (SIGTERM) stops training within a second or so and
-hands its job back to the queue at once. A job is registered at most once (see ``patches.jobs``), and stops early
-when it is cancelled or runs past the operator's time limit (``JobLimits``).
+hands its job back to the queue at once. A job is registered at most once (see ``patchserve.patches.jobs``), and stops
+early when it is cancelled or runs past the operator's time limit (``JobLimits``).
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from patches.data import DataError, Dataset, job_splits
-from patches.encoder import Encoder, resolve_device
-from patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
-from patches.format import Patch
-from patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue
-from patches.packed import PackedBert, packed_unsupported
-from patches.packed_model import training_bert
-from patches.store import Registry
-from patches.train_config import TrainConfig
-from trainer.joint import JointTrainer
-from trainer.progress import TrainingStopped, progress_line
-from trainer.train import PatchTraining, TrainResult
+from patchserve.patches.data import DataError, Dataset, job_splits
+from patchserve.patches.encoder import Encoder, resolve_device
+from patchserve.patches.errors import PatchServeError, RegistryUnavailableError, TaskNotFoundError
+from patchserve.patches.format import Patch
+from patchserve.patches.jobs import TERMINAL, Gate, Job, JobError, JobLimits, JobQueue
+from patchserve.patches.packed import PackedBert, packed_unsupported
+from patchserve.patches.packed_model import training_bert
+from patchserve.patches.store import Registry
+from patchserve.patches.train_config import TrainConfig
+from patchserve.trainer.joint import JointTrainer
+from patchserve.trainer.progress import TrainingStopped, progress_line
+from patchserve.trainer.train import PatchTraining, TrainResult
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0  # seconds between progress lines in the log
@@ -159,8 +159,8 @@ class Worker:
     def run(self, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
         """Process jobs until ``stop`` is set or ``max_jobs`` were handled; returns how many were handled.
 
-        Up to ``concurrent_jobs`` jobs train at once, in one batch (``trainer.joint.JointTrainer``): a job claimed
-        while others train joins at their next update, and one that ends leaves without stopping the others.
+        Up to ``concurrent_jobs`` jobs train at once, in one batch (``patchserve.trainer.joint.JointTrainer``): a job
+        claimed while others train joins at their next update, and one that ends leaves without stopping the others.
         Setting ``stop`` (SIGTERM in ``patchserve worker``) also stops every job in training within a second or so
         and hands it back to the queue, where the next free worker takes it at once."""
         self.shutdown = stop = stop or threading.Event()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from patches.errors import RegistryError
-from patches.store.base import Change, Registry, VersionInfo, diff_snapshots, redact_url
-from patches.store.disk import DiskRegistry
+from patchserve.patches.errors import RegistryError
+from patchserve.patches.store.base import Change, Registry, VersionInfo, diff_snapshots, redact_url
+from patchserve.patches.store.disk import DiskRegistry
 
 
 def _open_disk(url: str, min_replicas: int) -> Registry:
@@ -27,7 +27,7 @@ def _open_disk(url: str, min_replicas: int) -> Registry:
 
 
 def _open_redis(url: str, min_replicas: int) -> Registry:
-    from patches.store.redis import RedisRegistry
+    from patchserve.patches.store.redis import RedisRegistry
 
     return RedisRegistry(url, min_replicas=min_replicas)
 

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from patches.errors import (
+from patchserve.patches.errors import (
     PatchError,
     PatchServeError,
     RegistryError,
@@ -25,7 +25,7 @@ from patches.errors import (
     TaskNotFoundError,
     VersionNotFoundError,
 )
-from patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
+from patchserve.patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
 
 log = logging.getLogger(__name__)
 

@@ -34,15 +34,16 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
-from patches.errors import (
+from patchserve.patches.errors import (
     InvalidTaskNameError,
     RegistryError,
     RegistryUnavailableError,
     TaskNotFoundError,
     VersionNotFoundError,
 )
-from patches.format import FILE_SUFFIX, Patch, validate_task_name
-from patches.store.base import Registry, VersionInfo, utc_now, versions_to_prune
+from patchserve.patches.format import FILE_SUFFIX, Patch
+from patchserve.patches.store.base import Registry, VersionInfo, utc_now, versions_to_prune
+from patchserve.patches.validation import validate_task_name
 
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"

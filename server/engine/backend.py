@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from patches.format import Patch
-from server.engine.protocol import Row
+from patchserve.patches.format import Patch
+from patchserve.server.engine.protocol import Row
 
 
 @dataclass

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from patches.packed import HeadBank, PackedBert, batch_views, layout_size
+from patchserve.patches.packed import HeadBank, PackedBert
+from patchserve.patches.packed_layout import batch_views, layout_size
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from patches.encoder import Encoder
-from patches.format import Patch
-from server.engine.batcher import Batcher, BatchStats
-from server.engine.protocol import Row
-from server.engine.runner import Runner
-from server.metrics import Metrics
-from server.settings import ServerSettings
+from patchserve.patches.encoder import Encoder
+from patchserve.patches.format import Patch
+from patchserve.server.engine.batcher import Batcher, BatchStats
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import Runner
+from patchserve.server.metrics import Metrics
+from patchserve.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 

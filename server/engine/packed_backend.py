@@ -10,19 +10,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from patches.format import Patch
-from patches.packed import (
-    POOL_MODES,
-    HeadBank,
-    PackedBert,
-    add_exact_attention,
-    batch_views,
-    fill_layout,
-    layout_size,
-)
-from server.engine.backend import Pending
-from server.engine.graphs import GraphSet
-from server.engine.protocol import Row
+from patchserve.patches.format import Patch
+from patchserve.patches.packed import POOL_MODES, HeadBank, PackedBert
+from patchserve.patches.packed_layout import add_exact_attention, batch_views, fill_layout, layout_size
+from patchserve.server.engine.backend import Pending
+from patchserve.server.engine.graphs import GraphSet
+from patchserve.server.engine.protocol import Row
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from patches.format import Patch
+from patchserve.patches.format import Patch
 
 
 class PatchCache:

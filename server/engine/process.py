@@ -30,16 +30,16 @@ import msgspec
 import torch
 import zmq
 
-from patches.encoder import load_encoder, resolve_device
-from patches.errors import PatchError, PatchServeError
-from patches.format import BaseSpec, Patch
-from patches.store import open_registry
-from server.catalog import Catalog
-from server.engine.batcher import OverloadedError
-from server.engine.channel import Channel
-from server.engine.local import LocalEngine
-from server.engine.patch_cache import PatchCache
-from server.engine.protocol import (
+from patchserve.patches.encoder import load_encoder, resolve_device
+from patchserve.patches.errors import PatchError, PatchServeError
+from patchserve.patches.format import BaseSpec, Patch
+from patchserve.patches.store import open_registry
+from patchserve.server.catalog import Catalog
+from patchserve.server.engine.batcher import OverloadedError
+from patchserve.server.engine.channel import Channel
+from patchserve.server.engine.local import LocalEngine
+from patchserve.server.engine.patch_cache import PatchCache
+from patchserve.server.engine.protocol import (
     BASE_KEY,
     Cancel,
     Failed,
@@ -52,9 +52,9 @@ from server.engine.protocol import (
     encode,
     to_engine,
 )
-from server.engine.slots import SlotsExhaustedError
-from server.metrics import Metrics
-from server.settings import ServerSettings
+from patchserve.server.engine.slots import SlotsExhaustedError
+from patchserve.server.metrics import Metrics
+from patchserve.server.settings import ServerSettings
 
 log = logging.getLogger("patchserve.engine")
 

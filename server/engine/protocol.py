@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from patches.format import Patch
+from patchserve.patches.format import Patch
 
 
 class EngineUnavailableError(RuntimeError):

@@ -19,9 +19,9 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from server.engine.batcher import OverloadedError
-from server.engine.channel import Channel
-from server.engine.protocol import (
+from patchserve.server.engine.batcher import OverloadedError
+from patchserve.server.engine.channel import Channel
+from patchserve.server.engine.protocol import (
     Cancel,
     EngineError,
     EngineUnavailableError,

@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from patches.encoder import Encoder, resolve_device
-from patches.format import Patch
-from patches.packed import packed_unsupported
-from server.engine.backend import Backend, Pending
-from server.engine.packed_backend import PackedBackend
-from server.engine.protocol import BASE_KEY, Row
-from server.engine.slots import SlotManager
-from server.engine.slotted import SlottedBackend
+from patchserve.patches.encoder import Encoder, resolve_device
+from patchserve.patches.format import Patch
+from patchserve.patches.packed import packed_unsupported
+from patchserve.server.engine.backend import Backend, Pending
+from patchserve.server.engine.packed_backend import PackedBackend
+from patchserve.server.engine.protocol import BASE_KEY, Row
+from patchserve.server.engine.slots import SlotManager
+from patchserve.server.engine.slotted import SlottedBackend
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patches.bitfit import bias_roles, ia3_roles
-from patches.errors import EncoderError, PatchKeysError
-from patches.format import Patch
-from patches.model import pool
-from server.engine.backend import Pending
-from server.engine.protocol import Row
+from patchserve.patches.bitfit import bias_roles, ia3_roles
+from patchserve.patches.errors import EncoderError, PatchKeysError
+from patchserve.patches.format import Patch
+from patchserve.patches.model import pool
+from patchserve.server.engine.backend import Pending
+from patchserve.server.engine.protocol import Row
 
 
 class SlotIndex:

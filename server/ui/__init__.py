@@ -19,10 +19,10 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from patches import __version__
-from patches.errors import PatchServeError
-from server.deps import ReadAuth, ServiceDep
-from server.openapi import TaskName
+from patchserve import __version__
+from patchserve.patches.errors import PatchServeError
+from patchserve.server.deps import ReadAuth, ServiceDep
+from patchserve.server.openapi import TaskName
 
 HERE = Path(__file__).parent
 router = APIRouter(include_in_schema=False)

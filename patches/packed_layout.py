@@ -1,0 +1,79 @@
+"""A packed batch on the host: one flat int32 array (tokens, positions, slots, rows, offsets, pooling modes) filled
+in one pass and sent to the device in one copy (``fill_layout``), then viewed as a ``PackedBatch`` there
+(``batch_views``); and what the exact attention path adds to a batch (``add_exact_attention``)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from patchserve.patches.packed import PackedBatch
+
+
+def layout_size(n_tokens: int, n_rows: int) -> int:
+    """Length of the flat int32 layout ``[ids | types | pos | tok_slot | seg] x N, cu [R + 1], row_slot, row_mode``."""
+    return 5 * n_tokens + 3 * n_rows + 1
+
+
+def fill_layout(
+    out: np.ndarray,
+    ids: list[list[int]],
+    types: list[list[int]],
+    row_slots: list[int],
+    row_modes: list[int],
+    n_tokens: int,
+    n_rows: int,
+    fill_slot: int,
+) -> int:
+    """Write a batch into ``out`` (int32, at least ``layout_size``) for an N-token, R-row layout; padding tokens
+    and rows get ``fill_slot`` and no row. Returns the number of real tokens."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    real = int(lengths.sum())
+    b = len(ids)
+    if real > n_tokens or b > n_rows:
+        raise ValueError(f"{real} tokens in {b} rows do not fit a layout of {n_tokens} tokens, {n_rows} rows")
+    n = n_tokens
+    out[: layout_size(n, n_rows)] = 0
+    out[0:real] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=real)
+    out[n : n + real] = np.fromiter(itertools.chain.from_iterable(types), dtype=np.int32, count=real)
+    starts = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    out[2 * n : 2 * n + real] = np.arange(real) - np.repeat(starts[:-1], lengths)
+    out[3 * n : 3 * n + real] = np.repeat(np.asarray(row_slots, dtype=np.int32), lengths)
+    out[3 * n + real : 4 * n] = fill_slot
+    out[4 * n : 4 * n + real] = np.repeat(np.arange(b, dtype=np.int32), lengths)
+    out[4 * n + real : 5 * n] = n_rows  # no row
+    cu = 5 * n
+    out[cu : cu + b + 1] = starts
+    out[cu + b + 1 : cu + n_rows + 1] = real
+    out[cu + n_rows + 1 : cu + n_rows + 1 + b] = row_slots
+    out[cu + n_rows + 1 + b : cu + 2 * n_rows + 1] = fill_slot
+    out[cu + 2 * n_rows + 1 : cu + 2 * n_rows + 1 + b] = row_modes
+    return real
+
+
+def batch_views(flat: torch.Tensor, n_tokens: int, n_rows: int, max_len: int) -> PackedBatch:
+    """A PackedBatch whose tensors are views of a flat int32 layout (on the device)."""
+    n, r = n_tokens, n_rows
+    cu = 5 * n
+    return PackedBatch(
+        ids=flat[0:n],
+        types=flat[n : 2 * n],
+        pos=flat[2 * n : 3 * n],
+        tok_slot=flat[3 * n : 4 * n],
+        seg=flat[4 * n : 5 * n],
+        cu=flat[cu : cu + r + 1],
+        row_slot=flat[cu + r + 1 : cu + 2 * r + 1],
+        row_mode=flat[cu + 2 * r + 1 : cu + 3 * r + 1],
+        max_len=max_len,
+    )
+
+
+def add_exact_attention(b: PackedBatch, lengths: list[int]) -> None:
+    """Give ``b`` what the exact (padded-attention) path needs: each token's padded position and the key mask."""
+    t = b.max_len  # the longest row
+    b.pidx = (b.seg.long() * t + b.pos.long())[: sum(lengths)]
+    lens = torch.tensor(lengths, device=b.ids.device)
+    b.key_mask = (torch.arange(t, device=b.ids.device).unsqueeze(0) < lens.unsqueeze(1)).view(len(lengths), 1, 1, t)
