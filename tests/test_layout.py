@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -37,9 +38,15 @@ def test_every_package_folder_is_installed_under_patchserve():
 def test_the_wheel_installs_one_namespace_and_nothing_generic(tmp_path):
     """Built and installed as users get it: every file under patchserve/ (the UI's templates too), the command's
     entry point there, and `import server`, `trainer` or `patches` fail where `import patchserve.server` works."""
+    source = tmp_path / "src"  # a copy: a build leaves build/ and *.egg-info behind in its source folder
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    for folder in FOLDERS:
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
-        cwd=ROOT,
+        cwd=source,
         capture_output=True,
         text=True,
         timeout=300,
