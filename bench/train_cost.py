@@ -99,8 +99,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         model = PackedRuns(encoder.model.to(device), [head], ds.kind, "mean", config)
     else:
         model = PaddedRun(encoder.model, head, ds.kind, "mean", config, device)
-    params = [p for group in model.parameters_of(0) for p in group]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    params = model.parameters_of(0)
+    optimizer = model.optimizer([1e-3], [1e-3], config, lambda step: 1.0)  # the trainer's own AdamW and clipping
     model.train()
     n = len(feats)
     batches = [[feats[(i * args.batch + j) % n] for j in range(args.batch)] for i in range(args.warmup + args.steps)]
@@ -109,10 +109,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     def update(rows: list[Any]) -> None:
         batch = collate(rows, pad_id, ds.kind, device)
         loss = loss_fn(ds.kind, model.logits(batch, torch.zeros(len(rows), dtype=torch.long)), batch["labels"])
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        optimizer.step([0])
 
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -25,10 +25,14 @@ def add_registry_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
     return value
 
 
@@ -37,8 +41,8 @@ def add_retention_option(p: argparse.ArgumentParser, when: str = "after each reg
     env = os.environ.get(KEEP_VERSIONS_ENV) or None
     p.add_argument(
         "--keep-versions",
-        type=_positive_int,
-        default=_positive_int(env) if env else None,
+        type=positive_int,
+        default=positive_int(env) if env else None,
         metavar="N",
         help=f"{when}: delete the task's versions beyond the newest N; the current version and any version "
         f"current in the last 10 minutes stay whatever their age (env {KEEP_VERSIONS_ENV}; default: keep all)",

@@ -249,12 +249,26 @@ class PackedBert:
             values = [t.get(name) for t in tasks]
             return torch.stack([base if v is None else v.to(self.device, torch.float32) for v in values])
 
+        return self._fold(get, self.scales or any(not self.scale_names.isdisjoint(t) for t in tasks))
+
+    def bank_columns(self, columns: Mapping[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+        """``bank_values`` of K tasks given as columns: each name's ``[K, D]`` values (float32, on this model's
+        device; a trainer's flat bank viewed per name, differentiable); names not given take their base value."""
+
+        def get(name: str) -> torch.Tensor:  # [K, D]
+            column = columns.get(name)
+            return self.base[name].expand(k, -1) if column is None else column
+
+        return self._fold(get, self.scales or not self.scale_names.isdisjoint(columns))
+
+    def _fold(self, get: Callable[[str], torch.Tensor], scaled: bool) -> dict[str, torch.Tensor]:
+        """The folded banks of K tasks whose values ``get(name)`` gives as ``[K, D]``; ``scaled``: with scale banks."""
+
         def mv(weight: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:  # [K, in] -> [K, out]: vecs @ W.T
             return vecs @ weight.float().t()
 
         h = self.hidden
         vals: dict[str, torch.Tensor] = {}
-        scaled = self.scales or any(not self.scale_names.isdisjoint(t) for t in tasks)
         carry = get("embeddings.LayerNorm.bias")  # the beta of the LayerNorm in front, not yet added
         if not self.fold_ln_bias:
             vals["emb_ln"] = carry

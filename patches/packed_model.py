@@ -1,13 +1,14 @@
 """The trainer's packed model: K training runs of one task over one frozen encoder, in one padding-free batch.
 
-Each run owns its trained biases and its head (this module's parameters, one group per run); the encoder's weights
-are the frozen shared ones, read through a ``PackedBert`` and never copied. A batch of right-padded rows, each
-tagged with its run, is packed (padding never reaches a matrix product), the runs' bias banks are folded from
-their parameters at every forward (``PackedBert.bank_values`` is differentiable: a few small products), and the
-forward is the serving engine's. Its backward therefore gives every run exactly the gradients the plain padded
-model (``patchserve.patches.model.TaskModel``) gives it alone (``tests/test_packed_training.py`` checks logits and
-gradients in float32), and ``task_model(run)`` turns a run back into a plain TaskModel for patch extraction and
-evaluation.
+Each run owns its trained values and its head: row ``r`` of this module's three parameters, one flat bank ``[K, V]``
+of every run's trained biases (and scales) and the heads ``[K, C, H]`` and ``[K, C]``, so an optimizer, clipping or a
+checkpoint treats all K runs in a handful of tensor ops. The encoder's weights are the frozen shared ones, read
+through a ``PackedBert`` and never copied. A batch of right-padded rows, each tagged with its run, is packed (padding
+never reaches a matrix product), the runs' bias banks are folded from the flat bank's columns at every forward
+(``PackedBert.bank_columns`` is differentiable: a few small products), and the forward is the serving engine's. Its
+backward therefore gives every run exactly the gradients the plain padded model (``patchserve.patches.model.TaskModel``)
+gives it alone (``tests/test_packed_training.py`` checks logits and gradients in float32), and ``task_model(run)``
+turns a run back into a plain TaskModel for patch extraction and evaluation.
 
 Several models built over one ``training_bert`` (several jobs on one base, as ``patchserve worker --concurrent-jobs``
 trains them) put their rows through one packed encode: ``joint_forward`` stacks their bias banks, and each model's
@@ -72,11 +73,15 @@ class PackedTaskModel(nn.Module):
         self.trained = list(trained)
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
         device = base.device
-        self.run_biases = nn.ModuleList(
-            nn.ParameterList(nn.Parameter(base.base[n].to(device).clone()) for n in self.trained) for _ in heads
+        starts = list(itertools.accumulate((base.base[n].numel() for n in self.trained), initial=0))
+        self.columns = {n: (a, b) for n, a, b in zip(self.trained, starts, starts[1:], strict=False)}  # name -> span
+        start = torch.cat([base.base[n].to(device).flatten() for n in self.trained]) if self.trained else None
+        width = starts[-1]
+        self.bank = nn.Parameter(  # [K, V]: run r's trained values, at the encoder's own to begin with
+            torch.zeros(len(heads), width, device=device) if start is None else start.expand(len(heads), -1).clone()
         )
-        self.head_weights = nn.ParameterList(nn.Parameter(h.weight.detach().to(device).clone()) for h in heads)
-        self.head_biases = nn.ParameterList(nn.Parameter(h.bias.detach().to(device).clone()) for h in heads)
+        self.head_weight = nn.Parameter(torch.stack([h.weight.detach() for h in heads]).to(device))  # [K, C, H]
+        self.head_bias = nn.Parameter(torch.stack([h.bias.detach() for h in heads]).to(device))  # [K, C]
 
     @property
     def encoder(self) -> nn.Module:
@@ -88,26 +93,21 @@ class PackedTaskModel(nn.Module):
 
     @property
     def runs(self) -> int:
-        return len(self.head_weights)
+        return int(self.bank.shape[0])
 
-    def run_biases_of(self, run: int) -> list[nn.Parameter]:
-        """One run's trained biases, in ``trained`` order."""
-        return list(cast(nn.ParameterList, self.run_biases[run]))
-
-    def run_parameters(self, run: int) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(trained biases, head weight and bias) of one run: what its optimizer steps."""
-        return self.run_biases_of(run), [self.head_weights[run], self.head_biases[run]]
+    def values(self, run: int) -> dict[str, torch.Tensor]:
+        """One run's trained values by name (views of its bank row)."""
+        return {n: self.bank[run, a:b] for n, (a, b) in self.columns.items()}
 
     def banks(self) -> dict[str, torch.Tensor]:
-        """Every run's bias banks ``[K, D]``, folded from its parameters (differentiable)."""
-        tasks = [dict(zip(self.trained, self.run_biases_of(r), strict=True)) for r in range(self.runs)]
-        vals = self.packed.bank_values(tasks)
+        """Every run's bias banks ``[K, D]``, folded from the flat bank's columns (differentiable)."""
+        vals = self.packed.bank_columns({n: self.bank[:, a:b] for n, (a, b) in self.columns.items()}, self.runs)
         if self.pooling != "pooler":  # no row is pooled by the pooler: skip its product
             vals.pop("pooler", None)
         return vals
 
     def heads(self) -> Heads:
-        return Heads(torch.stack(list(self.head_weights)), torch.stack(list(self.head_biases)))
+        return Heads(self.head_weight, self.head_bias)
 
     def forward(
         self,
@@ -175,11 +175,11 @@ class PackedTaskModel(nn.Module):
     def task_model(self, run: int) -> TaskModel:
         """Run ``run`` as a plain TaskModel: a copy of the encoder with the run's biases, and its head (eval mode)."""
         encoder = copy.deepcopy(self.encoder)
-        apply_values(encoder, {n: p.detach() for n, p in zip(self.trained, self.run_biases_of(run), strict=True)})
-        weight = self.head_weights[run]
+        apply_values(encoder, {n: v.detach() for n, v in self.values(run).items()})
+        weight = self.head_weight[run]
         head = nn.Linear(weight.shape[1], weight.shape[0]).to(weight.device)
         head.weight.copy_(weight)
-        head.bias.copy_(self.head_biases[run])
+        head.bias.copy_(self.head_bias[run])
         return TaskModel(encoder, head, self.kind, self.pooling).eval()
 
 

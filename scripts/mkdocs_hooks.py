@@ -75,3 +75,28 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         if marker in markdown:
             markdown = markdown.replace(marker, make())
     return markdown
+
+
+def command_line() -> str:
+    """Every ``patchserve`` command with its options, as ``--help`` declares them."""
+    import argparse
+
+    from patchserve.__main__ import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = []
+    for name, command in sorted(sub.choices.items()):
+        out += [f"### `patchserve {name}`", "", _cell(command.description or command.format_usage().strip()), ""]
+        out += ["| option | what it does |", "| --- | --- |"]
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.metavar or action.dest}`"
+            text = (action.help or "") % {"default": action.default, "prog": command.prog}
+            out.append(f"| {flags} | {_cell(text)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+TABLES["command-line"] = command_line

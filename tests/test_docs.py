@@ -30,6 +30,10 @@ def test_the_reference_tables_show_every_option_and_setting_as_declared():
     settings = hooks.server_settings()
     for name, field in ServerSettings.model_fields.items():
         assert f"`PATCHSERVE_{name.upper()}`" in settings and hooks._cell(field.description) in settings, name
+    commands = hooks.command_line()
+    for command in ("serve", "train", "eval", "worker", "submit", "jobs", "inspect", "tasks", "register", "prune"):
+        assert f"### `patchserve {command}`" in commands, command
+    assert "| `--concurrent-jobs` |" in commands and "| `--unservable` |" in commands
     page = hooks.on_page_markdown("a\n<!-- generated: training-options -->\nb", None, None, None)
     assert page.startswith("a\n| option | job JSON field |") and page.endswith("\nb")
     for name in hooks.TABLES:  # every table has its page

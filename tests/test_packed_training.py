@@ -95,9 +95,9 @@ def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
     padded.head.requires_grad_(True)
     packed = PackedTaskModel(encoder, [head], kind, pooling, trained).train()
     with torch.no_grad():  # the run's scales start where the padded model's do
-        for name, p in zip(trained, packed.run_biases_of(0), strict=True):
+        for name, value in packed.values(0).items():
             if name in start:
-                p.copy_(start[name])
+                value.copy_(start[name])
 
     batch = _batch(tiny_encoder.tokenizer, kind, n_out)
     args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
@@ -106,18 +106,19 @@ def test_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
     torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-5)
     loss_fn(kind, want, batch["labels"]).backward()
     loss_fn(kind, got, batch["labels"]).backward()
-    biases, (head_w, head_b) = packed.run_parameters(0)
+    assert packed.bank.grad is not None
+    biases = {n: packed.bank.grad[0, a:b] for n, (a, b) in packed.columns.items()}
     if scales != "none":  # every scale is trained and gets a gradient from both models
         sites = [n for n in trained if n in ia3_sites(encoder)]
         assert sites and all(params[n].grad is not None and params[n].grad.abs().max() > 0 for n in sites)
-    for name, p in zip(trained, biases, strict=True):
+    for name in trained:
         # None counts as zero: the key bias gets no gradient from the packed model (it is dropped: softmax ignores
         # it) and only rounding noise from the padded one; an unused pooler gets none from either
-        expected = torch.zeros_like(p) if params[name].grad is None else params[name].grad
-        actual = torch.zeros_like(p) if p.grad is None else p.grad
+        actual = biases[name]
+        expected = torch.zeros_like(actual) if params[name].grad is None else params[name].grad
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6, msg=name)
-    torch.testing.assert_close(head_w.grad, padded.head.weight.grad, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(head_b.grad, padded.head.bias.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(packed.head_weight.grad[0], padded.head.weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(packed.head_bias.grad[0], padded.head.bias.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_runs_in_one_batch_keep_to_their_own_biases_and_leave_the_encoder_alone(tiny_encoder):
@@ -132,8 +133,8 @@ def test_runs_in_one_batch_keep_to_their_own_biases_and_leave_the_encoder_alone(
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for run in range(3):
-            for p in packed.run_biases_of(run):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            for value in packed.values(run).values():
+                value.add_(0.2 * torch.randn(value.shape, generator=g))
     batch = _batch(tiny_encoder.tokenizer, "classification", 3)
     run = torch.tensor([2, 0, 1, 2, 0])
     packed.eval()
@@ -148,14 +149,13 @@ def test_runs_in_one_batch_keep_to_their_own_biases_and_leave_the_encoder_alone(
     loss_fn("classification", packed(batch["input_ids"], batch["attention_mask"], run=run), batch["labels"]).backward()
     assert all(p.grad is None for p in encoder.parameters())
     assert all(torch.equal(p, before[n]) for n, p in encoder.named_parameters())
-    assert all(packed.run_parameters(r)[1][0].grad is not None for r in range(3))
+    assert packed.head_weight.grad is not None and all(packed.head_weight.grad[r].any() for r in range(3))
     # a run with no row in the batch gets no gradient
     packed.zero_grad(set_to_none=True)
     only = torch.zeros(5, dtype=torch.long)
     loss_fn("classification", packed(batch["input_ids"], batch["attention_mask"], run=only), batch["labels"]).backward()
-    assert packed.run_parameters(0)[1][0].grad is not None
-    head_grad = packed.run_parameters(1)[1][0].grad
-    assert head_grad is None or not head_grad.any()
+    assert packed.head_weight.grad is not None and packed.head_weight.grad[0].any()
+    assert not packed.head_weight.grad[1].any() and not packed.bank.grad[1].any()
 
 
 def test_models_of_several_jobs_encode_together_as_each_would_alone(tiny_encoder):
@@ -175,8 +175,8 @@ def test_models_of_several_jobs_encode_together_as_each_would_alone(tiny_encoder
         model = PackedTaskModel(encoder, heads, kind, pooling, target_names(encoder, subset), packed=shared)
         with torch.no_grad():
             for r in range(n_runs):
-                for p in model.run_biases_of(r):
-                    p.add_(0.2 * torch.randn(p.shape, generator=g))
+                for value in model.values(r).values():
+                    value.add_(0.2 * torch.randn(value.shape, generator=g))
         models.append(model.train())
         batches.append(_batch(tiny_encoder.tokenizer, kind, n_out, seed=j))
         runs.append(torch.arange(len(SENTENCES)) % n_runs)

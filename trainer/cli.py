@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchserve.patches.cli import add_min_replicas_option, add_registry_option, add_retention_option
+from patchserve.patches.cli import add_min_replicas_option, add_registry_option, add_retention_option, positive_int
 from patchserve.patches.store.base import redact_url
 from patchserve.patches.train_config import Option, options
 
@@ -176,16 +176,6 @@ def _queue_url(args: argparse.Namespace) -> str:
     if not url:
         raise SystemExit(f"error: the job queue needs Redis: pass --queue redis://host:port/db or set {QUEUE_ENV}")
     return url
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
-    return value
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -368,7 +358,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-attempts", type=int, default=3, help="give a job up after this many attempts (default 3)")
     p.add_argument(
         "--concurrent-jobs",
-        type=_positive_int,
+        type=positive_int,
         default=os.environ.get("PATCHSERVE_CONCURRENT_JOBS") or "1",  # a string default: argparse checks it too
         metavar="K",
         help="train up to K queued jobs at once, their rows in one batch over the shared encoder (env "

@@ -9,8 +9,9 @@ fine-tuning, and encoders the packed model does not cover. The trainer never ask
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,50 +21,65 @@ from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import PackedBert
 from patchserve.patches.packed_model import PackedTaskModel, joint_forward
 from patchserve.patches.train_config import TrainConfig
+from patchserve.trainer.optim import BankAdamW, RunsOptimizer, TorchAdamW
 
 Batch = Mapping[str, torch.Tensor]  # ``patchserve.trainer.features.collate``'s padded batch
 
 
-class RunModel(Protocol):
-    """The model of a group of runs: every run's trainable parameters, the logits of rows (each row of its own run),
-    the runs' checkpoints, and each run as a plain TaskModel once trained."""
+class RunModel(ABC):
+    """The model of a group of runs (``model``, an ``nn.Module`` on ``device``): every run's trainable parameters,
+    the logits of rows (each row of its own run), the runs' checkpoints, and each run as a plain TaskModel once
+    trained."""
 
+    model: nn.Module
     kind: str
     device: torch.device
 
     @property
-    def training(self) -> bool: ...
+    def training(self) -> bool:
+        return self.model.training
 
-    def train(self, mode: bool = True) -> Any: ...
+    def train(self, mode: bool = True) -> RunModel:
+        self.model.train(mode)
+        return self
 
-    def eval(self) -> Any: ...
+    def eval(self) -> RunModel:
+        return self.train(False)
 
-    def parameters_of(self, run: int) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(encoder parameters the run trains, its head's): what its optimizer steps."""
-        ...
+    @abstractmethod
+    def parameters_of(self, run: int) -> list[torch.Tensor]:
+        """What ``run`` trains (its encoder values and its head; views into shared tensors where runs share them)."""
 
+    @abstractmethod
+    def optimizer(
+        self, lrs: Sequence[float], head_lrs: Sequence[float], config: TrainConfig, schedule: Callable[[int], float]
+    ) -> RunsOptimizer:
+        """AdamW for every run of this model: run ``r`` at ``lrs[r]`` (its head at ``head_lrs[r]``) times
+        ``schedule``, with the config's weight decay and gradient clipping."""
+
+    @abstractmethod
     def logits(self, batch: Batch, run_of_row: torch.Tensor) -> torch.Tensor:
         """Each row's logits under its run's parameters (``run_of_row`` ``[B]``)."""
-        ...
 
+    @abstractmethod
     def joint_key(self) -> Hashable:
         """Models with equal keys put their rows through one forward: ``forward_together``."""
-        ...
 
+    @abstractmethod
     def forward_together(self, rows: Sequence[tuple[Any, Batch, torch.Tensor]]) -> list[torch.Tensor]:
         """The logits of ``(model, batch, run_of_row)`` of several models with this one's ``joint_key``, in one
         forward where the implementation has one."""
-        ...
 
+    @abstractmethod
     def snapshot(self, run: int) -> Any:
         """A copy of what ``run`` trains (a checkpoint); ``restore`` puts it back."""
-        ...
 
+    @abstractmethod
     def restore(self, run: int, state: Any) -> None: ...
 
+    @abstractmethod
     def task_model(self, run: int) -> TaskModel:
         """``run`` as a plain TaskModel (the encoder with its biases, and its head)."""
-        ...
 
 
 def set_dropout(module: nn.Module, rate: float) -> None:
@@ -73,10 +89,12 @@ def set_dropout(module: nn.Module, rate: float) -> None:
             m.p = rate
 
 
-class PackedRuns:
+class PackedRuns(RunModel):
     """K runs of one task in one ``PackedTaskModel`` over the frozen ``base`` (``packed``: a ``training_bert`` shared
     with other jobs' models, so that their rows encode together), each starting from its own head of ``heads``;
     the config's biases (and scales) train, at the config's dropout (None: the encoder's own rates)."""
+
+    model: PackedTaskModel
 
     def __init__(
         self,
@@ -101,19 +119,21 @@ class PackedRuns:
         self.kind, self.dropout = kind, config.dropout
         self.device = self.model.packed.device
 
-    @property
-    def training(self) -> bool:
-        return self.model.training
+    def parameters_of(self, run: int) -> list[torch.Tensor]:
+        return [self.model.bank[run], self.model.head_weight[run], self.model.head_bias[run]]
 
-    def train(self, mode: bool = True) -> PackedRuns:
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> PackedRuns:
-        return self.train(False)
-
-    def parameters_of(self, run: int) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        return self.model.run_parameters(run)
+    def optimizer(
+        self, lrs: Sequence[float], head_lrs: Sequence[float], config: TrainConfig, schedule: Callable[[int], float]
+    ) -> RunsOptimizer:
+        m = self.model
+        run_lrs, run_head_lrs = torch.tensor(list(lrs)), torch.tensor(list(head_lrs))
+        return BankAdamW(
+            [m.bank, m.head_weight, m.head_bias],
+            [run_lrs, run_head_lrs, run_head_lrs],
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            schedule=schedule,
+        )
 
     def logits(self, batch: Batch, run_of_row: torch.Tensor) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run=run_of_row)
@@ -127,13 +147,11 @@ class PackedRuns:
         )
 
     def snapshot(self, run: int) -> list[torch.Tensor]:
-        encoder, head = self.parameters_of(run)
-        return [p.detach().clone() for p in [*encoder, *head]]
+        return [p.detach().clone() for p in self.parameters_of(run)]
 
     @torch.no_grad()
     def restore(self, run: int, state: list[torch.Tensor]) -> None:
-        encoder, head = self.parameters_of(run)
-        for p, saved in zip([*encoder, *head], state, strict=True):
+        for p, saved in zip(self.parameters_of(run), state, strict=True):
             p.copy_(saved)
 
     def task_model(self, run: int) -> TaskModel:
@@ -143,9 +161,11 @@ class PackedRuns:
         return model
 
 
-class PaddedRun:
+class PaddedRun(RunModel):
     """One run on a padded copy of ``encoder`` with ``head`` on ``device``: the config's biases train (every weight
     with ``full``), at the config's dropout (None: the encoder's own)."""
+
+    model: TaskModel
 
     def __init__(
         self, encoder: nn.Module, head: nn.Linear, kind: str, pooling: str, config: TrainConfig, device: torch.device
@@ -164,20 +184,24 @@ class PaddedRun:
         for p in [*trained, *self._params[1]]:
             p.requires_grad_(True)
 
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    def train(self, mode: bool = True) -> PaddedRun:
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> PaddedRun:
-        return self.train(False)
-
-    def parameters_of(self, run: int) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    def parameters_of(self, run: int) -> list[torch.Tensor]:
         assert run == 0, "a padded model holds one run"
-        return self._params
+        return [*self._params[0], *self._params[1]]
+
+    def optimizer(
+        self, lrs: Sequence[float], head_lrs: Sequence[float], config: TrainConfig, schedule: Callable[[int], float]
+    ) -> RunsOptimizer:
+        (lr,), (head_lr,) = lrs, head_lrs
+        encoder, head = self._params
+        return TorchAdamW(
+            encoder,
+            head,
+            lr=lr,
+            head_lr=head_lr,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            schedule=schedule,
+        )
 
     def logits(self, batch: Batch, run_of_row: torch.Tensor) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])

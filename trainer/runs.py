@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from patchserve.patches.validation import Label
 from patchserve.trainer.evaluation import evaluate_runs
 from patchserve.trainer.features import IGNORE, Features, collate
 from patchserve.trainer.models import RunModel
+from patchserve.trainer.optim import linear_schedule
 from patchserve.trainer.progress import ProgressFn, StopFn, TrainingStopped, progress_bar
 
 
@@ -51,17 +52,6 @@ def loss_fn(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
 
 
-def linear_schedule(total: int, warmup: int) -> Callable[[int], float]:
-    """The learning rate's factor at each update: linear warm-up over ``warmup`` updates, then linear decay to 0."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        return max(0.0, (total - step) / max(1, total - warmup))
-
-    return factor
-
-
 @dataclass
 class Run:
     """One training run's own state (its parameters live in the group's model)."""
@@ -70,9 +60,7 @@ class Run:
     seed: int
     lr: float
     head_lr: float
-    params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    params: list[torch.Tensor]  # what it trains (views into the group's model)
     rng: random.Random
     order: list[int] = field(default_factory=list)
     best: dict[str, Any] = field(default_factory=lambda: {"score": -math.inf, "step": 0, "metrics": {}, "state": None})
@@ -107,16 +95,13 @@ class RunGroup:
         assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
         self.ctx, self.config, self.model = ctx, config, model
         self.total = total = config.planned_steps(len(ctx.train))
-        self.runs: list[Run] = []
-        for i, (lr, seed) in enumerate(specs):
-            encoder_params, head_params = model.parameters_of(i)
-            head_lr = config.head_lr or lr
-            groups: list[dict[str, Any]] = [{"params": encoder_params}, {"params": head_params, "lr": head_lr}]
-            optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay)  # bias-corrected Adam
-            schedule = linear_schedule(total, int(config.warmup_ratio * total))
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-            params = encoder_params + head_params
-            self.runs.append(Run(i, seed, lr, head_lr, params, optimizer, scheduler, random.Random(seed)))
+        head_lrs = [config.head_lr or lr for lr, _ in specs]
+        self.runs = [
+            Run(i, seed, lr, head_lr, model.parameters_of(i), random.Random(seed))
+            for i, ((lr, seed), head_lr) in enumerate(zip(specs, head_lrs, strict=True))
+        ]
+        schedule = linear_schedule(total, int(config.warmup_ratio * total))
+        self.optimizer = model.optimizer([lr for lr, _ in specs], head_lrs, config, schedule)
         # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the
         # epoch (and the evaluations) stretch with it, so patience always spans the same share of the run and
         # cannot end it during the warm-up.
@@ -150,8 +135,7 @@ class RunGroup:
 
     def losses(self, logits: torch.Tensor, u: Update) -> list[torch.Tensor]:
         """Each active run's loss on its own rows; clears the runs' gradients for the backward to come."""
-        for r in u.active:
-            r.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         labels = u.batch["labels"]
         return [loss_fn(self.ctx.kind, logits[a:b], labels[a:b]) for a, b in u.spans]
 
@@ -160,10 +144,8 @@ class RunGroup:
         patience ran out leaves the batch), report progress. A stop asked during the evaluation raises
         TrainingStopped."""
         step = self.step = self.step + 1
+        self.optimizer.step([r.index for r in u.active])
         for r, loss in zip(u.active, losses, strict=True):
-            torch.nn.utils.clip_grad_norm_(r.params, self.config.max_grad_norm)
-            r.optimizer.step()
-            r.scheduler.step()
             value = loss.item()
             r.running = 0.9 * r.running + 0.1 * value if step > 1 else value
             r.steps = step

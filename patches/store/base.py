@@ -232,9 +232,6 @@ class Registry(ABC):
             )
         return info, patch
 
-    def current_version(self, task: str) -> int:
-        return self.info(task).version
-
     def watch(self, stop: threading.Event, timeout: float = 1.0) -> Iterator[list[Change]]:
         """Yield batches of changes made after this call, until ``stop`` is set.
 
