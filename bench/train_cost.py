@@ -43,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from bench.common import machine
 from patchserve.patches.data import load_dataset
 from patchserve.patches.encoder import load_encoder, resolve_device
 from patchserve.patches.train_config import TrainConfig
@@ -262,9 +263,8 @@ def main() -> None:
     device = (
         torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     )
-    result = {
+    result = machine() | {  # date, machine, python, torch, patchserve and the commit it measured
         "device": device,
-        "torch": torch.__version__,
         "model": args.model,
         "batch": args.batch,
         "steps": args.steps,
