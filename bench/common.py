@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,25 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def count_ops(fn: Callable[[], object], device: Any) -> int:
+    """ATen ops (CPU) or host-side launches -- kernels, graph launches, copies -- (CUDA) of one call of ``fn``,
+    after one warm call (a CUDA graph is captured outside the count)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    if cuda:
+        return sum(1 for n in names if "LaunchKernel" in n or "GraphLaunch" in n or n.startswith("cudaMemcpy"))
+    return sum(1 for n in names if n.startswith("aten::"))
 
 
 def machine() -> dict[str, Any]:

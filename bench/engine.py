@@ -43,7 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from bench.common import sentences
+from bench.common import count_ops, sentences
 from patchserve.patches.bitfit import apply_values, base_biases
 from patchserve.patches.encoder import Encoder, load_encoder
 from patchserve.patches.format import Patch
@@ -172,18 +172,8 @@ class Paths:
         }
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
-        """ATen ops (CPU) or host-side launches -- kernels, graph launches, copies -- (CUDA) of one call."""
-        from torch.profiler import ProfilerActivity, profile
-
-        fn(rows)  # warm (a CUDA graph is captured outside the count)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            fn(rows)
-            self.sync()
-        names = [e.name for e in prof.events()]
-        if self.device.type == "cuda":
-            return sum(1 for n in names if "LaunchKernel" in n or "GraphLaunch" in n or n.startswith("cudaMemcpy"))
-        return sum(1 for n in names if n.startswith("aten::"))
+        """ATen ops (CPU) or host-side launches (CUDA) of one call (``bench.common.count_ops``)."""
+        return count_ops(lambda: fn(rows), self.device)
 
 
 def draw_tasks(rng: random.Random, n_tasks: int, n: int, dist: str) -> list[int]:

@@ -12,6 +12,8 @@ median seconds per update, and the memory the updates add on top of the loaded m
 during the updates minus before them on the CPU; peak allocated bytes on CUDA). ``update_ratio`` is BitFit
 (packed) / full and ``speedup_packed`` padded / packed. ``packed-ia3`` is the packed model training a ``bitfit-ia3``
 patch (biases plus (IA)^3 scales, ``--scales ia3``): ``ia3_vs_packed`` is its update's time over BitFit's.
+``ops_update_MODE`` counts one update's ATen ops on the CPU, its host-side launches (kernels, graph launches, copies)
+on CUDA, where an update of a small model is bound by launching them.
 
 Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
 of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
@@ -43,7 +45,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from bench.common import machine
+from bench.common import count_ops, machine
 from patchserve.patches.data import load_dataset
 from patchserve.patches.encoder import load_encoder, resolve_device
 from patchserve.patches.train_config import TrainConfig
@@ -133,6 +135,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "trainable_params": sum(p.numel() for p in params),
         "s_per_update": statistics.median(times),
         "memory_bytes": peak - before,
+        "ops_per_update": count_ops(lambda: update(batches[0]), device),
     }
 
 
@@ -254,7 +257,8 @@ def main() -> None:
     for r in range(args.repeats):
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             runs[mode].append(_spawn(args, mode))
-    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in ("s_per_update", "memory_bytes")} for m in MODES}
+    figures = ("s_per_update", "memory_bytes", "ops_per_update")
+    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in figures} for m in MODES}
     trained = {} if args.no_runs else {m.removeprefix("run-"): _spawn(args, m) for m in RUN_MODES}
     jobs: dict[str, list[dict[str, Any]]] = {m: [] for m in JOB_MODES}
     for r in range(0 if args.no_jobs else args.repeats):
@@ -276,6 +280,8 @@ def main() -> None:
         "ms_per_update_full": round(med["full"]["s_per_update"] * 1e3, 1),
         "speedup_packed": round(med["padded"]["s_per_update"] / med["packed"]["s_per_update"], 2),
         "ms_update_packed_ia3": round(med["packed-ia3"]["s_per_update"] * 1e3, 1),
+        # ATen ops (CPU) or host-side launches (CUDA) of one update: on a GPU an update is bound by launching them
+        **{f"ops_update_{m.replace('-', '_')}": int(med[m]["ops_per_update"]) for m in MODES},
         "ia3_vs_packed": round(med["packed-ia3"]["s_per_update"] / med["packed"]["s_per_update"], 3),
         "update_ratio": round(med["packed"]["s_per_update"] / med["full"]["s_per_update"], 3),
         "update_ratio_padded": round(med["padded"]["s_per_update"] / med["full"]["s_per_update"], 3),

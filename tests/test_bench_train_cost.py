@@ -44,6 +44,9 @@ def test_each_mode_trains_its_own_parameters_and_reports_cost(tiny_bert_dir, tmp
     assert got["packed-ia3"]["trainable_params"] == got["packed"]["trainable_params"] + scales
     assert got["packed"]["trainable_params"] * 10 < got["full"]["trainable_params"]
     assert all(r["s_per_update"] > 0 and r["memory_bytes"] >= 0 for r in got.values())
+    # one update's ATen ops: the packed model's runs step in a few tensor ops, the padded model's AdamW per tensor
+    assert all(r["ops_per_update"] > 0 for r in got.values())
+    assert got["packed"]["ops_per_update"] < got["padded"]["ops_per_update"]
 
 
 def test_default_runs_use_their_own_forward(tiny_bert_dir, tmp_path):
