@@ -81,7 +81,7 @@ def test_a_label_name_head_on_the_real_encoder_classifies_sentiment_before_any_t
     training = PatchTraining(
         minilm, train, train, TrainConfig(task="t", head_init="labels", restarts=1, device="cpu"), packed=False
     )
-    runs = training.stage()
+    runs = training.run_group()
     assert runs is not None and isinstance(runs.model, PaddedRun)
     # matched pairs: each praise leans further to "positive" than its twin complaint (a weak zero-shot start, 64% on
     # Rotten Tomatoes' test, but one that knows which way the names point)

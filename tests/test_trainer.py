@@ -326,7 +326,7 @@ def test_a_label_name_head_starts_every_run_from_the_names_and_the_patch_serves_
     restarts = 2 if packed else 1
     config = train_config(min_steps=20, head_init="labels", restarts=restarts, restarts_merge="average")
     training = PatchTraining(tiny_encoder, train, dev, config, packed=packed)
-    runs = training.stage()  # before the first update
+    runs = training.run_group()  # before the first update
     assert runs is not None
     assert isinstance(runs.model, PackedRuns if packed else PaddedRun)
     starts = [runs.model.parameters_of(r)[-2:] for r in range(restarts)]  # each run's head: weight and bias

@@ -80,7 +80,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"no --dev given: using {len(dev)} rows carved from {args.train} as dev", file=sys.stderr)
     if warning := splits.untrained_warning():
         print(warning, file=sys.stderr)
-    config.check_task(train.kind, train.labels)  # a metric or a stage the data cannot take: now, not after loading
+    config.check_task(train.kind, train.labels)  # a metric or a head start the data cannot take: now, not after loading
     # Everything the end of the run needs is checked before it starts, so no training is thrown away.
     out = None if args.full or (args.registry_given and not args.out) else Path(args.out or f"{args.task}.safetensors")
     for role, target in (("--out", out), ("--report", Path(args.report) if args.report else None)):

@@ -18,9 +18,9 @@ StopFn = Callable[[], bool]
 class TrainingStopped(Exception):
     """``should_stop`` said so: the run ended between two steps, and nothing was produced."""
 
-    def __init__(self, step: int, total: int, stage: str | None = None) -> None:
-        super().__init__(f"stopped at update {step} of {total}" + (f" of the {stage} stage" if stage else ""))
-        self.step, self.total, self.stage = step, total, stage
+    def __init__(self, step: int, total: int) -> None:
+        super().__init__(f"stopped at update {step} of {total}")
+        self.step, self.total = step, total
 
 
 def never() -> bool:
@@ -31,13 +31,12 @@ def never() -> bool:
 def progress_line(p: dict[str, Any]) -> str:
     """One plain line for a progress report (what ``on_progress`` receives), for logs and non-terminal stderr."""
     dev = "".join(f" dev {k} {v:.4f}" for k, v in (p["dev"] or {}).items())
-    stage = f"{p['stage']} " if p.get("stage") else ""
-    return f"{stage}step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
+    return f"step {p['step']}/{p['total_steps']} loss {p['loss']:.4f}{dev} (seed={p['seed']} lr={p['lr']:g})"
 
 
 def progress_logger(every_s: float = 30.0, prefix: str = "") -> ProgressFn | None:
     """An ``on_progress`` that prints a plain ``progress_line`` on stderr at most every ``every_s`` seconds (and at a
-    stage's last update), each after ``prefix`` (which run it is, where several share a log) -- or None when stderr
+    run group's last update), each after ``prefix`` (which run it is, where several share a log) -- or None when stderr
     is a terminal, where the trainer's progress bar shows instead. For logs, CI and ``nohup``, where there is no
     bar and an hour-long run would otherwise print nothing until it ends."""
     if sys.stderr.isatty():

@@ -29,7 +29,7 @@ from patchserve.trainer.progress import ProgressFn, StopFn, TrainingStopped, pro
 
 @dataclass(frozen=True)
 class TrainingContext:
-    """What a stage of a job's training needs of the job: its rows, its task, and how it reports and stops."""
+    """What a job's run groups need of the job: its rows, its task, and how it reports and stops."""
 
     task: str
     kind: str
@@ -88,8 +88,6 @@ class RunGroup:
     """Runs ``specs`` ((learning rate, seed) each) of one job on ``model`` (its run ``i`` is ``specs[i]``), an update
     at a time. Each run keeps its best dev checkpoint -- or with ``checkpoint="last"`` its final one -- which
     ``results()`` puts back in the model. ``config`` is resolved (``TrainConfig.resolved()``)."""
-
-    name: str | None = None  # the runs themselves: TrainingStopped and progress name any other stage
 
     def __init__(self, ctx: TrainingContext, config: TrainConfig, specs: Sequence[tuple[float, int]], model: RunModel):
         assert config.epochs is not None and config.patience is not None, "pass config.resolved()"
@@ -181,7 +179,7 @@ class RunGroup:
             runs = [r.index for r in active]
             scores = evaluate_runs(self.model, ctx.dev, ctx.pad_id, ctx.labels, runs, should_stop=ctx.should_stop)
         except TrainingStopped:
-            raise TrainingStopped(step, self.total, self.name) from None
+            raise TrainingStopped(step, self.total) from None
         for r, metrics in zip(active, scores, strict=True):
             r.last_dev, score = metrics, metrics[ctx.metric]
             r.history.append({"step": step, "loss": r.running, f"dev_{ctx.metric}": score})

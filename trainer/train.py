@@ -47,7 +47,7 @@ class TrainResult:
 
 
 class PatchTraining:
-    """One job's training, a stage at a time: what ``train_patch`` does, in pieces, so that several jobs can train
+    """One job's training, a run group at a time: what ``train_patch`` does, in pieces, so that several jobs can train
     in one batch (``JointTrainer``). ``finish()`` builds the result once every run has trained.
 
     Arguments as ``train_patch``'s; ``packed_bert``: a ``training_bert(encoder.model)`` shared by the trainings that
@@ -115,8 +115,8 @@ class PatchTraining:
         self._label_vectors: torch.Tensor | None = None
         self._trained: list[Result] = []
 
-    # --- the stages ----------------------------------------------------------------------------------------------
-    def stage(self) -> RunGroup | None:
+    # --- the run groups ------------------------------------------------------------------------------------------
+    def run_group(self) -> RunGroup | None:
         """The run group that trains now (None: every run has trained). Packed, a job's runs are one group; padded,
         each run is its own, one after another."""
         while self._group is None or self._group.done:
@@ -171,10 +171,10 @@ class PatchTraining:
 
     # --- the result ----------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:
-        """The result, once ``stage()`` is None: every run scored on the test (and held-out) set, the kept one chosen
-        on dev -- or with ``restarts_merge="average"`` each learning rate's restarts averaged into one -- the report
-        built and the patch extracted. A stop asked while a set is scored raises TrainingStopped."""
-        assert self.stage() is None, "finish() before every run has trained"
+        """The result, once ``run_group()`` is None: every run scored on the test (and held-out) set, the kept one
+        chosen on dev -- or with ``restarts_merge="average"`` each learning rate's restarts averaged into one -- the
+        report built and the patch extracted. A stop asked while a set is scored raises TrainingStopped."""
+        assert self.run_group() is None, "finish() before every run has trained"
         config, trained = self.config, self._trained
         tok, max_len = self.encoder.tokenizer, self.job.max_len
         scored = {
