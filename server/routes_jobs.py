@@ -58,7 +58,7 @@ async def submit_job(
     # the data is checked here as the worker will read it: bad rows are a 422 now, not a failed job later
     splits = await run_in_threadpool(job_splits, files, checked.kind, checked.seed)
     svc.settings.job_limits.check(checked, len(splits.train))
-    checked.check_task(splits.train.kind, splits.train.labels)  # entity_f1 on non-BIO tags, contrastive, distill...
+    checked.check_task(splits.train.kind, splits.train.labels)  # e.g. entity_f1 on non-BIO tags
     job = await run_in_threadpool(queue.submit, raw, files, gate)
     return job.to_dict()
 
