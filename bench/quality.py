@@ -124,11 +124,12 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     set), an unset ``head_init`` likewise (label names for a classifier on small data), and an unset ``metric`` is
     the kind's default. Runs recorded before a setting existed ran as its old behaviour:
     no ``checkpoint`` kept the best, no ``metric`` used the kind's default, no ``restarts_merge`` kept the best
-    restart, no ``scales`` trained biases only, no ``head_init`` started a random head. Where one run trained,
-    ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``: the contrastive
-    stage, distillation) at its "off" value changed nothing and is left out too, as is the distillation's
-    temperature without a teacher or at its default (2.0)."""
-    out = {"scales": "none", "head_init": "random"} | run_settings
+    restart, no ``scales`` trained biases only, no ``head_init`` started a random head, no ``precision`` ran as
+    ``auto`` (float32 then, also on a GPU: the record's own ``precision`` says what arithmetic a run used). Where
+    one run trained, ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``:
+    the contrastive stage, distillation) at its "off" value changed nothing and is left out too, as is the
+    distillation's temperature without a teacher or at its default (2.0)."""
+    out = {"scales": "none", "head_init": "random", "precision": "auto"} | run_settings
     if not out.get("distill") or out.get("distill_temperature") == 2.0:  # without a teacher, or its old default
         out.pop("distill_temperature", None)
     for name, off in RETIRED_OPTIONS.items():
@@ -686,6 +687,7 @@ def run_record(
         "steps": result.report["steps"],
         "best_step": result.report["best_step"],
         "lr": result.report["lr"],
+        "precision": result.report["precision"],  # the arithmetic it trained in (bfloat16: flash attention, CUDA)
         "settings": settings(config),
         "seconds": seconds,
         "trainable_params": result.report["trainable_params"],

@@ -13,7 +13,9 @@ during the updates minus before them on the CPU; peak allocated bytes on CUDA). 
 (packed) / full and ``speedup_packed`` padded / packed. ``packed-ia3`` is the packed model training a ``bitfit-ia3``
 patch (biases plus (IA)^3 scales, ``--scales ia3``): ``ia3_vs_packed`` is its update's time over BitFit's.
 ``ops_update_MODE`` counts one update's ATen ops on the CPU, its host-side launches (kernels, graph launches, copies)
-on CUDA, where an update of a small model is bound by launching them.
+on CUDA, where an update of a small model is bound by launching them. On CUDA the packed model trains in bfloat16
+with flash attention (the trainer's default there); ``packed-float32`` is the same update in float32 with the exact
+attention (``--precision float32``), and ``flash_speedup`` its time over the default's.
 
 Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
 of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
@@ -55,7 +57,7 @@ from patchserve.trainer.runs import loss_fn
 from patchserve.trainer.train import train_patch
 
 OUT = ROOT / "docs" / "benchmarks"
-MODES = ("packed", "padded", "full", "packed-ia3")
+MODES = ("packed", "padded", "full", "packed-ia3", "packed-float32")  # packed-float32: on CUDA only
 RUN_MODES = ("run-bitfit", "run-padded", "run-full")
 JOB_MODES = ("jobs-1", "jobs-k")
 DATA = ROOT.parent / "shared" / "data" / "rotten_tomatoes"
@@ -95,10 +97,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ds = load_dataset(args.data)
     labels = sorted({str(e.label) for e in ds.examples})
     feats = featurize(encoder.tokenizer, ds, labels, 128)
-    config = TrainConfig(task="cost", full=args.child == "full", scales="ia3" if args.child == "packed-ia3" else "none")
+    config = TrainConfig(
+        task="cost",
+        full=args.child == "full",
+        scales="ia3" if args.child == "packed-ia3" else "none",
+        precision="float32" if args.child == "packed-float32" else "auto",
+    )
     head = torch.nn.Linear(encoder.hidden_size, len(labels))
     model: RunModel  # the trainer's own models: packed runs, or one padded run
-    if args.child in ("packed", "packed-ia3"):
+    if args.child.startswith("packed"):
         model = PackedRuns(encoder.model.to(device), [head], ds.kind, "mean", config)
     else:
         model = PaddedRun(encoder.model, head, ds.kind, "mean", config, device)
@@ -146,8 +153,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     encoder = load_encoder(args.model)
     train_all = load_dataset(args.data)
     dev_all = load_dataset(args.dev, kind=train_all.kind, labels=train_all.labels or None)
-    train = replace(train_all, examples=train_all.examples[: args.run_rows])
-    dev = replace(dev_all, examples=dev_all.examples[: args.dev_rows])
+    train = replace(train_all, examples=train_all.examples[: args.run_rows or None])
+    dev = replace(dev_all, examples=dev_all.examples[: args.dev_rows or None])
     mode = args.child.removeprefix("run-")
     config = TrainConfig(task="cost", full=mode == "full", device=args.device, max_steps=args.run_max_steps)
     t0 = time.perf_counter()
@@ -162,6 +169,9 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "planned_steps": report["planned_steps"],
         "runs": report["selection"]["tried"],
         "dev_accuracy": report["dev"]["accuracy"],
+        "train_rows": report["train_rows"],
+        "dev_rows": report["dev_rows"],
+        "precision": report["precision"],
     }
 
 
@@ -178,7 +188,7 @@ def jobs_child(args: argparse.Namespace) -> dict[str, Any]:
     shared = training_bert(encoder.model)
     train_all = load_dataset(args.data)
     dev_all = load_dataset(args.dev, kind=train_all.kind, labels=train_all.labels or None)
-    dev = replace(dev_all, examples=dev_all.examples[: args.dev_rows])
+    dev = replace(dev_all, examples=dev_all.examples[: args.job_dev_rows])
     t0 = time.perf_counter()
     trainings = []
     for i in range(args.concurrent_jobs):
@@ -210,6 +220,7 @@ def _spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     cmd += ["--data", args.data, "--dev", args.dev, "--batch", str(args.batch), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup), "--run-rows", str(args.run_rows), "--dev-rows", str(args.dev_rows)]
     cmd += ["--concurrent-jobs", str(args.concurrent_jobs), "--job-rows", str(args.job_rows)]
+    cmd += ["--job-dev-rows", str(args.job_dev_rows)]
     cmd += ["--job-max-steps", str(args.job_max_steps)]
     if args.run_max_steps:
         cmd += ["--run-max-steps", str(args.run_max_steps)]
@@ -229,20 +240,26 @@ def main() -> None:
         help="a labelled JSONL file (default: the shared Rotten Tomatoes training set)",
     )
     ap.add_argument("--dev", default=str(DATA / "dev.jsonl"), help="the runs' dev set (default: Rotten Tomatoes')")
-    ap.add_argument("--run-rows", type=int, default=1000, help="training rows of each default run (first N)")
-    ap.add_argument("--dev-rows", type=int, default=300, help="dev rows of each default run (first N)")
+    ap.add_argument("--run-rows", type=int, default=1000, help="training rows of each default run (first N; 0: all)")
+    ap.add_argument("--dev-rows", type=int, default=300, help="dev rows of each default run (first N; 0: all)")
     ap.add_argument("--no-runs", action="store_true", help="time the updates only, not the default runs")
+    ap.add_argument(
+        "--run-modes", default="bitfit,padded,full", help="which default runs (comma-separated: bitfit, padded, full)"
+    )
     ap.add_argument("--run-max-steps", type=int, help="cap each default run's updates (default: no cap)")
     ap.add_argument("--no-jobs", action="store_true", help="skip the concurrent jobs' figures")
     ap.add_argument("--concurrent-jobs", type=int, help="jobs trained together (default 8; 4 with --quick)")
     ap.add_argument("--job-rows", type=int, default=256, help="training rows of each job (default 256)")
+    ap.add_argument("--job-dev-rows", type=int, default=300, help="dev rows of each job (first N; default 300)")
     ap.add_argument("--job-max-steps", type=int, help="cap each job's updates (default 60; 20 with --quick)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="timed updates per run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (alternating)")
+    ap.add_argument("--job-repeats", type=int, help="runs of each way of training the jobs (default: --repeats)")
     ap.add_argument("--quick", action="store_true", help="1 repeat of 10 updates; prints one JSON line")
     ap.add_argument("--out", type=Path, default=OUT / "train_cost.jsonl")
+    ap.add_argument("--note", default="", help="how the machine was shared: recorded with the line, shown in its table")
     ap.add_argument("--child", choices=MODES + RUN_MODES + JOB_MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -253,15 +270,20 @@ def main() -> None:
         args.repeats, args.steps = 1, 10
     args.concurrent_jobs = args.concurrent_jobs or (4 if args.quick else 8)
     args.job_max_steps = args.job_max_steps or (20 if args.quick else 60)
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    modes = MODES if args.device.startswith("cuda") else tuple(m for m in MODES if m != "packed-float32")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(args.repeats):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             runs[mode].append(_spawn(args, mode))
     figures = ("s_per_update", "memory_bytes", "ops_per_update")
-    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in figures} for m in MODES}
-    trained = {} if args.no_runs else {m.removeprefix("run-"): _spawn(args, m) for m in RUN_MODES}
+    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in figures} for m in modes}
+    run_modes = [f"run-{m.strip()}" for m in args.run_modes.split(",") if m.strip()]
+    if not set(run_modes) <= set(RUN_MODES):
+        ap.error(f"--run-modes: each of {', '.join(m.removeprefix('run-') for m in RUN_MODES)}")
+    trained = {} if args.no_runs else {m.removeprefix("run-"): _spawn(args, m) for m in run_modes}
     jobs: dict[str, list[dict[str, Any]]] = {m: [] for m in JOB_MODES}
-    for r in range(0 if args.no_jobs else args.repeats):
+    job_repeats = args.repeats if args.job_repeats is None else args.job_repeats
+    for r in range(0 if args.no_jobs else job_repeats):
         for mode in JOB_MODES if r % 2 == 0 else JOB_MODES[::-1]:
             jobs[mode].append(_spawn(args, mode))
     device = (
@@ -281,7 +303,7 @@ def main() -> None:
         "speedup_packed": round(med["padded"]["s_per_update"] / med["packed"]["s_per_update"], 2),
         "ms_update_packed_ia3": round(med["packed-ia3"]["s_per_update"] * 1e3, 1),
         # ATen ops (CPU) or host-side launches (CUDA) of one update: on a GPU an update is bound by launching them
-        **{f"ops_update_{m.replace('-', '_')}": int(med[m]["ops_per_update"]) for m in MODES},
+        **{f"ops_update_{m.replace('-', '_')}": int(med[m]["ops_per_update"]) for m in modes},
         "ia3_vs_packed": round(med["packed-ia3"]["s_per_update"] / med["packed"]["s_per_update"], 3),
         "update_ratio": round(med["packed"]["s_per_update"] / med["full"]["s_per_update"], 3),
         "update_ratio_padded": round(med["padded"]["s_per_update"] / med["full"]["s_per_update"], 3),
@@ -290,16 +312,24 @@ def main() -> None:
         "memory_mb_full": round(med["full"]["memory_bytes"] / 2**20, 1),
         "memory_ratio": round(med["packed"]["memory_bytes"] / max(med["full"]["memory_bytes"], 1), 3),
     }
+    if "packed-float32" in med:  # CUDA: the packed update in float32 with the exact attention, against bfloat16 flash
+        result["ms_update_packed_float32"] = round(med["packed-float32"]["s_per_update"] * 1e3, 1)
+        result["flash_speedup"] = round(med["packed-float32"]["s_per_update"] / med["packed"]["s_per_update"], 2)
+    if args.note:
+        result["note"] = args.note
     if trained:
-        result |= {"run_rows": args.run_rows, "dev_rows": args.dev_rows}
+        first = next(iter(trained.values()))
+        result |= {"run_rows": first["train_rows"], "dev_rows": first["dev_rows"]}
         for mode, run in trained.items():
             result |= {
                 f"run_s_{mode}": round(run["seconds"], 1),
                 f"run_steps_{mode}": run["steps"],
                 f"run_dev_accuracy_{mode}": round(run["dev_accuracy"], 4),
             }
-        result["ratio_run"] = round(trained["bitfit"]["seconds"] / trained["full"]["seconds"], 3)
-        result["run_speedup_packed"] = round(trained["padded"]["seconds"] / trained["bitfit"]["seconds"], 2)
+        if "bitfit" in trained and "full" in trained:
+            result["ratio_run"] = round(trained["bitfit"]["seconds"] / trained["full"]["seconds"], 3)
+        if "bitfit" in trained and "padded" in trained:
+            result["run_speedup_packed"] = round(trained["padded"]["seconds"] / trained["bitfit"]["seconds"], 2)
     if not args.no_jobs:
         per_hour = {m: statistics.median(r["jobs_per_hour"] for r in jobs[m]) for m in JOB_MODES}
         result |= {
@@ -359,13 +389,15 @@ def render(jsonl: Path) -> None:
         "BitFit packed: the trainer today (issue 25); padded: the plain padded model it ran before (rows written",
         "before issue 25 have only this one). Memory: what the updates add on top of the loaded model (peak RSS on",
         "the CPU, peak allocated on CUDA). Goals (issue 25, 2 CPU cores): packed >= 1.8x padded per update, and a",
-        "default BitFit run no longer than a default full fine-tuning run (`ratio_run` <= 1).",
+        "default BitFit run no longer than a default full fine-tuning run (`ratio_run` <= 1). On CUDA, rows from",
+        "2026-11-27 on train the packed model in bfloat16 with flash attention (issue 60); `ms packed float32` is",
+        "the same update in float32 with the exact attention (`--precision float32`), as every earlier row ran it.",
         "",
         "## Updates",
         "",
-        "| device | batch | trainable (BitFit / full) | ms packed | ms padded | ms full | packed speed-up "
-        "| BitFit / full | MB packed | MB padded | MB full |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| device | batch | trainable (BitFit / full) | ms packed | ms packed float32 | ms padded | ms full "
+        "| packed speed-up | BitFit / full | MB packed | MB padded | MB full |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         padded = r.get("ms_update_padded", r.get("ms_per_update_bitfit"))
@@ -373,7 +405,8 @@ def render(jsonl: Path) -> None:
         speedup = f"{r['speedup_packed']:.2f}x" if "speedup_packed" in r else "-"
         lines.append(
             f"| {_device(r)} | {r['batch']} | {r['trainable_bitfit']:,} / {r['trainable_full']:,} | "
-            f"{r.get('ms_update_packed', '-')} | {padded} | {r['ms_per_update_full']} | {speedup} | "
+            f"{r.get('ms_update_packed', '-')} | {r.get('ms_update_packed_float32', '-')} | {padded} | "
+            f"{r['ms_per_update_full']} | {speedup} | "
             f"{r['update_ratio']:.2f}x | {r.get('memory_mb_packed', '-')} | {mb_padded} | {r['memory_mb_full']} |"
         )
     with_runs = [r for r in rows if "ratio_run" in r]
@@ -391,11 +424,14 @@ def render(jsonl: Path) -> None:
         for r in with_runs:
             cells = [
                 f"{r[f'run_s_{m}']} s, {r[f'run_steps_{m}']} steps, {100 * r[f'run_dev_accuracy_{m}']:.1f}"
+                if f"run_s_{m}" in r
+                else "-"
                 for m in ("bitfit", "padded", "full")
             ]
+            speedup = f"{r['run_speedup_packed']:.2f}x" if "run_speedup_packed" in r else "-"
             lines.append(
                 f"| {_device(r)} | {r['run_rows']:,} / {r['dev_rows']:,} | {' | '.join(cells)} | "
-                f"{r['ratio_run']:.2f}x | {r['run_speedup_packed']:.2f}x |"
+                f"{r['ratio_run']:.2f}x | {speedup} |"
             )
     with_jobs = [r for r in rows if "jobs_speedup" in r]
     if with_jobs:

@@ -373,14 +373,14 @@ class PackedBert:
         x = drop(norm(x, self.emb_g, "emb_ln", self.emb_eps))
         for i, layer in enumerate(self.layers):
             qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
-            if f"{i}.s" in banks:  # (IA)^3: keys and values scaled per row
-                qkv = qkv * bias(f"{i}.s")
+            if f"{i}.s" in banks:  # (IA)^3: keys and values scaled per row (in qkv's type: autocast's bfloat16)
+                qkv = qkv * bias(f"{i}.s").to(qkv.dtype)
             ctx = self._attend(qkv, b, attention, attention_dropout)
             y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
             x = norm(y + x, layer.g1, f"{i}.ln1", layer.eps1)
             y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
             if f"{i}.si" in banks:  # (IA)^3: the intermediate scaled per row
-                y = y * bias(f"{i}.si")
+                y = y * bias(f"{i}.si").to(y.dtype)
             y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()

@@ -1,6 +1,7 @@
 """A packed batch on the host: one flat int32 array (tokens, positions, slots, rows, offsets, pooling modes) filled
 in one pass and sent to the device in one copy (``fill_layout``), then viewed as a ``PackedBatch`` there
-(``batch_views``); and what the exact attention path adds to a batch (``add_exact_attention``)."""
+(``batch_views``); what the exact attention path adds to a batch (``add_exact_attention``); and ``to_device``, the
+copy of a host tensor that does not wait for the device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ import numpy as np
 import torch
 
 from patchserve.patches.packed import PackedBatch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``device``. To a CUDA device through pinned memory without blocking: a plain copy from
+    pageable memory waits for every kernel already queued, so a training loop that copied its next batch that way
+    would leave the GPU idle while it prepares each step. Torch's pinned-memory cache keeps the host block until the
+    copy is done."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def layout_size(n_tokens: int, n_rows: int) -> int:
@@ -75,5 +86,5 @@ def add_exact_attention(b: PackedBatch, lengths: list[int]) -> None:
     """Give ``b`` what the exact (padded-attention) path needs: each token's padded position and the key mask."""
     t = b.max_len  # the longest row
     b.pidx = (b.seg.long() * t + b.pos.long())[: sum(lengths)]
-    lens = torch.tensor(lengths, device=b.ids.device)
+    lens = to_device(torch.tensor(lengths), b.ids.device)
     b.key_mask = (torch.arange(t, device=b.ids.device).unsqueeze(0) < lens.unsqueeze(1)).view(len(lengths), 1, 1, t)

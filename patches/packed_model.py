@@ -10,6 +10,12 @@ backward therefore gives every run exactly the gradients the plain padded model 
 gives it alone (``tests/test_packed_training.py`` checks logits and gradients in float32), and ``task_model(run)``
 turns a run back into a plain TaskModel for patch extraction and evaluation.
 
+On a CUDA device that runs flash attention in bfloat16 (compute capability 8.0 on), a model built with
+``half_dtype=torch.bfloat16`` (``training_dtype``: the trainer's default there) encodes under bfloat16 autocast with
+variable-length flash attention over the packed rows and its backward, as the serving engine attends; the frozen
+weights, the trained values, the optimizer's state, pooling and the heads stay float32. Everywhere else (and with
+``precision="float32"``) attention takes the exact float32 path, which the gradient tests check.
+
 Several models built over one ``training_bert`` (several jobs on one base, as ``patchserve worker --concurrent-jobs``
 trains them) put their rows through one packed encode: ``joint_forward`` stacks their bias banks, and each model's
 heads then read only its own rows.
@@ -17,6 +23,7 @@ heads then read only its own rows.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Sequence
@@ -28,7 +35,20 @@ from torch import nn
 from patchserve.patches.bitfit import apply_values
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
-from patchserve.patches.packed_layout import add_exact_attention
+from patchserve.patches.packed_layout import add_exact_attention, to_device
+
+PRECISIONS = ("auto", "float32")  # patches.train_config.TrainConfig.precision
+
+
+def training_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+    """The half-precision type a packed model trains in on ``device`` with flash attention (None: float32 with the
+    exact attention): bfloat16 on a CUDA device of compute capability 8.0 or later (flash attention's bfloat16
+    kernels) with ``precision="auto"``; float32 on the CPU, on older GPUs and with ``precision="float32"``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if precision == "float32" or device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return None
+    return torch.bfloat16
 
 
 def training_bert(encoder: nn.Module) -> PackedBert:
@@ -45,7 +65,8 @@ class PackedTaskModel(nn.Module):
     each run's initial head (its count is the number of runs); ``trained`` names the biases (and (IA)^3 scales, for a
     ``bitfit-ia3`` patch) every run trains, initialised at the encoder's values. ``run`` gives each row's run
     (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other models
-    (default: one of its own)."""
+    (default: one of its own). ``half_dtype``: encode under autocast to this type with flash attention (CUDA only:
+    ``training_dtype``), else in float32 with the exact attention."""
 
     def __init__(
         self,
@@ -58,6 +79,7 @@ class PackedTaskModel(nn.Module):
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
         packed: PackedBert | None = None,
+        half_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not heads:
@@ -68,7 +90,10 @@ class PackedTaskModel(nn.Module):
         unknown = sorted(set(trained) - set(base.base))
         if unknown:
             raise ValueError(f"the encoder has no biases or (IA)^3 sites {unknown[:5]}")
+        if half_dtype is not None and base.device.type != "cuda":
+            raise ValueError(f"half-precision training (flash attention) needs a CUDA device, not {base.device}")
         self._frozen = (encoder, base)  # a tuple, not submodules: their weights are not this module's parameters
+        self.half_dtype = half_dtype
         self.kind, self.pooling = kind, pooling
         self.trained = list(trained)
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
@@ -115,8 +140,9 @@ class PackedTaskModel(nn.Module):
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         run: torch.Tensor | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        return joint_forward([(self, input_ids, attention_mask, token_type_ids, run)])[0]
+        return joint_forward([(self, input_ids, attention_mask, token_type_ids, run, lengths)])[0]
 
     def pack(
         self,
@@ -124,28 +150,36 @@ class PackedTaskModel(nn.Module):
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         run: torch.Tensor | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> tuple[PackedBatch, list[int]]:
-        """The packed batch of right-padded rows (without the exact path's attention layout) and each row's length."""
+        """The packed batch of right-padded rows (without the exact path's attention layout) and each row's length.
+
+        ``lengths`` (each row's count of real tokens, known on the host: ``collate``'s) spares reading the mask
+        back from the device; the layout is then made on the host and copied without waiting for the device, so a
+        GPU's queue never drains between updates. ``run`` may be on the host too."""
         device = input_ids.device
         n_rows, width = input_ids.shape
-        keep = attention_mask.bool()  # right-padded rows: a row's tokens are its first ``length`` positions
-        lengths = keep.sum(1)
-        row_lengths = lengths.tolist()
+        row_lengths = [int(n) for n in (attention_mask.sum(1).tolist() if lengths is None else lengths)]
+        host_lengths = torch.tensor(row_lengths, dtype=torch.long)
+        cu = torch.zeros(n_rows + 1, dtype=torch.long)
+        cu[1:] = host_lengths.cumsum(0)
+        seg = torch.repeat_interleave(torch.arange(n_rows), host_lengths)
+        pos = torch.arange(int(cu[-1])) - cu[:-1].repeat_interleave(host_lengths)
+        # one copy: each token's place in the padded [B, width] grid, its position in its row, its row; then cu
+        flat = to_device(torch.cat([seg * width + pos, pos, seg, cu]), device)
+        n = int(cu[-1])
+        grid, pos_d, seg_d, cu_d = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n], flat[3 * n :]
         if run is None:
-            run = torch.zeros(n_rows, dtype=torch.long, device=device)
-        run = run.to(device, torch.long)
-        pos = torch.arange(width, device=device).expand(n_rows, width)
-        seg = torch.arange(n_rows, device=device).unsqueeze(1).expand(n_rows, width)
-        cu = torch.zeros(n_rows + 1, dtype=torch.long, device=device)
-        cu[1:] = lengths.cumsum(0)
+            run = torch.zeros(n_rows, dtype=torch.long)
+        run = to_device(run.long(), device)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         batch = PackedBatch(
-            ids=input_ids[keep],
-            types=types[keep],
-            pos=pos[keep],
-            tok_slot=run.unsqueeze(1).expand(n_rows, width)[keep],
-            seg=seg[keep],
-            cu=cu,
+            ids=input_ids.reshape(-1).index_select(0, grid),
+            types=types.reshape(-1).index_select(0, grid),
+            pos=pos_d,
+            tok_slot=run.index_select(0, seg_d),
+            seg=seg_d,
+            cu=cu_d.int(),  # int32: flash attention's offsets
             row_slot=run,
             row_mode=torch.full((n_rows,), POOL_MODES[self.pooling], dtype=torch.long, device=device),
             max_len=max(row_lengths),
@@ -165,11 +199,11 @@ class PackedTaskModel(nn.Module):
             return out.view(n_rows, width, -1)
         return self.packed.pool(x, batch, heads, banks)[:, self.packed.hidden :]
 
-    def joint_key(self) -> tuple[int, float, float, bool, bool]:
+    def joint_key(self) -> tuple[int, float, float, bool, bool, torch.dtype | None]:
         """Models with equal keys encode their rows together (``joint_forward``): the same frozen weights, dropout
-        rates and mode, and alike in training (IA)^3 scales or not (their banks have the same keys)."""
+        rates, mode and precision, and alike in training (IA)^3 scales or not (their banks have the same keys)."""
         scales = not self.packed.scale_names.isdisjoint(self.trained)
-        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, scales
+        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, scales, self.half_dtype
 
     @torch.no_grad()
     def task_model(self, run: int) -> TaskModel:
@@ -183,24 +217,29 @@ class PackedTaskModel(nn.Module):
         return TaskModel(encoder, head, self.kind, self.pooling).eval()
 
 
-Part = tuple[PackedTaskModel, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# (model, input_ids, attention_mask, token_type_ids, run[, lengths]): PackedTaskModel.forward's arguments
+Part = (
+    tuple[PackedTaskModel, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    | tuple[PackedTaskModel, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Sequence[int] | None]
+)
 
 
 def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
     """Logits of several packed task models (several jobs' runs) whose rows go through one packed encode.
 
-    Each part is ``(model, input_ids, attention_mask, token_type_ids, run)`` as ``PackedTaskModel.forward`` takes
-    them; every model must have the same ``joint_key()`` (one ``PackedBert``: the same frozen weights). The models'
-    bias banks are stacked, each model's run indices shifted past the runs of the models before it, so every row
-    meets exactly its own run's biases: the result, and its gradients, are each model's own forward's (the dropout
-    masks aside, which are drawn for the joint stream). Each model's heads then run on its own rows' tokens."""
+    Each part is ``(model, input_ids, attention_mask, token_type_ids, run[, lengths])`` as
+    ``PackedTaskModel.forward`` takes them; every model must have the same ``joint_key()`` (one ``PackedBert``: the
+    same frozen weights). The models' bias banks are stacked, each model's run indices shifted past the runs of the
+    models before it, so every row meets exactly its own run's biases: the result, and its gradients, are each
+    model's own forward's (the dropout masks aside, which are drawn for the joint stream). Each model's heads then run
+    on its own rows' tokens."""
     if not parts:
         return []
     first = parts[0][0]
     if any(model.joint_key() != first.joint_key() for model, *_ in parts):
         raise ValueError("joint_forward needs models over one PackedBert, at one dropout and mode")
     packed_bert = first.packed
-    packs = [model.pack(ids, mask, types, run) for model, ids, mask, types, run in parts]
+    packs = [part[0].pack(*part[1:]) for part in parts]
     all_banks = [model.banks() for model, *_ in parts]
     if len(parts) == 1:
         joint, lengths = packs[0]
@@ -224,14 +263,18 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
         )
         # the encoder's banks only (the pooler's is each model's own, used by its pooling below)
         banks = {k: torch.cat([b[k] for b in all_banks]) for k in all_banks[0] if k != "pooler"}
-    add_exact_attention(joint, lengths)
-    x = packed_bert.encode(
-        joint,
-        "exact",
-        banks=banks,
-        hidden_dropout=first.hidden_dropout if first.training else 0.0,
-        attention_dropout=first.attention_dropout if first.training else 0.0,
-    )
+    if first.half_dtype is None:
+        add_exact_attention(joint, lengths)
+    # the encoder under autocast (pooling and the heads below stay float32, as encode's output is)
+    half = torch.autocast("cuda", dtype=first.half_dtype) if first.half_dtype is not None else contextlib.nullcontext()
+    with half:
+        x = packed_bert.encode(
+            joint,
+            "exact" if first.half_dtype is None else "flash",
+            banks=banks,
+            hidden_dropout=first.hidden_dropout if first.training else 0.0,
+            attention_dropout=first.attention_dropout if first.training else 0.0,
+        )
     out, start = [], 0
     for (model, ids, *_), (b, row_lengths), model_banks in zip(parts, packs, all_banks, strict=True):
         n = sum(row_lengths)

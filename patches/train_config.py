@@ -160,6 +160,11 @@ class TrainConfig:
     device: Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")] = _option(
         "auto", "Where it trains: auto (CUDA when present), cpu, cuda or cuda:N."
     )
+    precision: Literal["auto", "float32"] = _option(
+        "auto",
+        "The packed model's arithmetic: auto trains in bfloat16 with flash attention on a CUDA GPU that has it "
+        "(compute capability 8.0 on) and in float32 elsewhere; float32 trains in float32 everywhere.",
+    )
 
     def __post_init__(self) -> None:
         try:

@@ -13,7 +13,7 @@ from patchserve.patches.bitfit import apply_values, bias_parameters, ia3_base, i
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import dropout, keep_mask
 from patchserve.patches.packed_layout import add_exact_attention
-from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_bert
+from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_bert, training_dtype
 from patchserve.trainer.features import Features, collate, featurize
 from patchserve.trainer.models import set_dropout
 from patchserve.trainer.runs import loss_fn
@@ -52,7 +52,7 @@ def _perturbed(encoder: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def _batch(tokenizer, kind: str, n_out: int, seed: int = 0):
+def _batch(tokenizer, kind: str, n_out: int, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     if kind == "token-classification":
         enc = tokenizer(WORDS, is_split_into_words=True)
@@ -68,7 +68,7 @@ def _batch(tokenizer, kind: str, n_out: int, seed: int = 0):
         Features(enc["input_ids"][i], enc["token_type_ids"][i], labels[i])  # type: ignore[arg-type]
         for i in range(len(SENTENCES))
     ]
-    return collate(feats, int(tokenizer.pad_token_id or 0), kind, torch.device("cpu"))
+    return collate(feats, int(tokenizer.pad_token_id or 0), kind, torch.device(device))
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
@@ -203,6 +203,86 @@ def test_models_of_several_jobs_encode_together_as_each_would_alone(tiny_encoder
         PackedTaskModel(
             tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 2)], "regression", "mean", [], packed=shared
         )
+
+
+def test_packing_with_lengths_from_the_host_equals_reading_the_mask(tiny_encoder):
+    """``collate``'s host-side lengths (the trainer's path: no read-back from the device) give the same packed batch
+    as the attention mask, for a batch of several runs."""
+    batch = _batch(tiny_encoder.tokenizer, "token-classification", 3)
+    model = PackedTaskModel(
+        tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 3)] * 2, "token-classification", "cls", []
+    )
+    run = torch.tensor([0, 1, 1, 0, 1])
+    args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run)
+    (a, len_a), (b, len_b) = model.pack(*args), model.pack(*args, batch["lengths"].tolist())
+    assert len_a == len_b == batch["attention_mask"].sum(1).tolist() and a.max_len == b.max_len == max(len_a)
+    for field in ("ids", "types", "pos", "tok_slot", "seg", "cu", "row_slot", "row_mode"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert a.cu.dtype == torch.int32  # flash attention's offsets
+    assert torch.equal(a.ids, batch["input_ids"][batch["attention_mask"].bool()])
+    assert torch.equal(a.tok_slot, run.repeat_interleave(batch["attention_mask"].sum(1)))
+
+
+def test_training_precision_is_float32_off_a_gpu():
+    assert training_dtype(torch.device("cpu")) is None
+    assert training_dtype(torch.device("cpu"), "float32") is None
+    with pytest.raises(ValueError, match="precision"):
+        training_dtype(torch.device("cpu"), "float16")
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).detach().norm() / want.detach().norm().clamp(min=1e-12))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["classification-mean", "regression-pooler", "tagging", "ia3-classification"])
+def test_flash_attention_in_bfloat16_trains_as_the_exact_float32_model(tiny_encoder, case):
+    """On CUDA the trainer's default: bfloat16 autocast with variable-length flash attention and its backward. Its
+    logits and every gradient are the exact float32 model's to bfloat16's rounding; with dropout it stays finite."""
+    kind, pooling, subset, n_out, scales = CASES[case]
+    device = torch.device("cuda")
+    encoder = _perturbed(tiny_encoder.model, seed=1).to(device)
+    trained = target_names(encoder, subset) + scale_names(encoder, scales)
+    torch.manual_seed(0)
+    head = nn.Linear(tiny_encoder.hidden_size, n_out)
+    shared = training_bert(encoder)
+    exact = PackedTaskModel(encoder, [head], kind, pooling, trained, packed=shared).train()
+    half = training_dtype(device)
+    flash = PackedTaskModel(encoder, [head], kind, pooling, trained, packed=shared, half_dtype=half).train()
+    assert half == torch.bfloat16 and exact.joint_key() != flash.joint_key()
+    batch = _batch(tiny_encoder.tokenizer, kind, n_out, device="cuda")
+    args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], None, batch["lengths"].tolist())
+    want, got = exact(*args), flash(*args)
+    keep = batch["labels"] != -100 if kind == "token-classification" else slice(None)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert _relative(got[keep], want[keep]) < 0.02
+    loss_fn(kind, want, batch["labels"]).backward()
+    loss_fn(kind, got, batch["labels"]).backward()
+    assert flash.bank.grad is not None and exact.bank.grad is not None
+    assert _relative(flash.bank.grad, exact.bank.grad) < 0.05
+    assert _relative(flash.head_weight.grad, exact.head_weight.grad) < 0.05
+    noisy = PackedTaskModel(
+        encoder, [head], kind, pooling, trained, hidden_dropout=0.1, attention_dropout=0.1, half_dtype=half
+    )
+    noisy.train()
+    first = noisy(*args)
+    loss_fn(kind, first, batch["labels"]).backward()
+    assert noisy.bank.grad is not None and torch.isfinite(noisy.bank.grad).all()
+    assert not torch.equal(first, noisy(*args))  # the masks (attention's too) are drawn anew
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_train_patch_on_a_gpu_trains_in_bfloat16_unless_asked_for_float32(tmp_path, tiny_encoder):
+    train, dev = training_data(tmp_path, "classification", n_train=64, n_dev=16)
+    fast = train_patch(tiny_encoder, train, dev, train_config(min_steps=8, eval_every=4, device="cuda"))
+    exact = train_patch(
+        tiny_encoder, train, dev, train_config(min_steps=8, eval_every=4, device="cuda", precision="float32")
+    )
+    assert fast.report["precision"] == "bfloat16" and exact.report["precision"] == "float32"
+    assert fast.patch is not None and exact.patch is not None
+    assert set(fast.patch.biases) == set(exact.patch.biases)
+    assert all(torch.isfinite(v).all() for v in fast.patch.biases.values())
+    assert fast.report["steps"] == exact.report["steps"] == 8
 
 
 def test_dropout_is_applied_in_training_only(tiny_encoder):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from patchserve.patches.data import Dataset
+from patchserve.patches.packed_layout import to_device
 from patchserve.patches.validation import Label
 
 IGNORE = -100  # the label of a token that is not scored (a word's later sub-words, special tokens, padding)
@@ -49,7 +50,8 @@ def featurize(tokenizer: Any, ds: Dataset, labels: Sequence[Label], max_len: int
 
 def collate(feats: list[Features], pad_id: int, kind: str, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``token_type_ids``, ``attention_mask`` ``[B, T]`` and ``labels`` (``[B]``, or
-    ``[B, T]`` for tagging) on ``device``."""
+    ``[B, T]`` for tagging) on ``device``, copied without waiting for it (``to_device``); and each row's token count
+    ``lengths`` ``[B]`` on the host."""
     n, t = len(feats), max(len(f.input_ids) for f in feats)
     ids = torch.full((n, t), pad_id, dtype=torch.long)
     types = torch.zeros((n, t), dtype=torch.long)
@@ -66,8 +68,9 @@ def collate(feats: list[Features], pad_id: int, kind: str, device: torch.device)
     else:
         labels = torch.tensor([int(f.label) for f in feats])  # type: ignore[arg-type]
     return {
-        "input_ids": ids.to(device),
-        "token_type_ids": types.to(device),
-        "attention_mask": mask.to(device),
-        "labels": labels.to(device),
+        "input_ids": to_device(ids, device),
+        "token_type_ids": to_device(types, device),
+        "attention_mask": to_device(mask, device),
+        "labels": to_device(labels, device),
+        "lengths": torch.tensor([len(f.input_ids) for f in feats]),  # on the host: the packed model's layout
     }

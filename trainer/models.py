@@ -19,7 +19,7 @@ from torch import nn
 from patchserve.patches.bitfit import bias_parameters, trained_names
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import PackedBert
-from patchserve.patches.packed_model import PackedTaskModel, joint_forward
+from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_dtype
 from patchserve.patches.train_config import TrainConfig
 from patchserve.trainer.optim import BankAdamW, RunsOptimizer, TorchAdamW
 
@@ -82,6 +82,12 @@ class RunModel(ABC):
         """``run`` as a plain TaskModel (the encoder with its biases, and its head)."""
 
 
+def _lengths(batch: Batch) -> list[int] | None:
+    """Each row's real token count where ``collate`` left it on the host (``lengths``), else None."""
+    lengths = batch.get("lengths")
+    return None if lengths is None else lengths.tolist()
+
+
 def set_dropout(module: nn.Module, rate: float) -> None:
     """Every dropout in ``module`` (BERT's attention reads its rate from its ``nn.Dropout`` too) drops ``rate``."""
     for m in module.modules():
@@ -115,6 +121,7 @@ class PackedRuns(RunModel):
             hidden_dropout=config.dropout if config.dropout is not None else float(cfg.hidden_dropout_prob),
             attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
             packed=packed,
+            half_dtype=training_dtype(next(base.parameters()).device, config.precision),
         )
         self.kind, self.dropout = kind, config.dropout
         self.device = self.model.packed.device
@@ -136,14 +143,19 @@ class PackedRuns(RunModel):
         )
 
     def logits(self, batch: Batch, run_of_row: torch.Tensor) -> torch.Tensor:
-        return self.model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run=run_of_row)
+        return self.model(
+            batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], run_of_row, _lengths(batch)
+        )
 
     def joint_key(self) -> Hashable:
         return self.model.joint_key()
 
     def forward_together(self, rows: Sequence[tuple[Any, Batch, torch.Tensor]]) -> list[torch.Tensor]:
         return joint_forward(
-            [(m.model, b["input_ids"], b["attention_mask"], b["token_type_ids"], run) for m, b, run in rows]
+            [
+                (m.model, b["input_ids"], b["attention_mask"], b["token_type_ids"], run, _lengths(b))
+                for m, b, run in rows
+            ]
         )
 
     def snapshot(self, run: int) -> list[torch.Tensor]:

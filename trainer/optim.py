@@ -94,6 +94,7 @@ class BankAdamW:
         self.v = [torch.zeros_like(t) for t in tensors]
         self.weight_decay, self.max_grad_norm, self.schedule = weight_decay, max_grad_norm, schedule
         self.steps = 0
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
 
     def zero_grad(self) -> None:
         for t in self.tensors:
@@ -103,7 +104,10 @@ class BankAdamW:
     def step(self, runs: Sequence[int]) -> None:
         if not runs:
             return
-        index = torch.tensor(list(runs), dtype=torch.long, device=self.tensors[0].device)
+        key = tuple(runs)
+        index = self._index.get(key)
+        if index is None:  # made once per set of active runs (it changes only when a run stops early): a copy to a
+            index = self._index[key] = torch.tensor(key, device=self.tensors[0].device)  # GPU waits for its queue
         grads = [torch.zeros_like(t[index]) if t.grad is None else t.grad.index_select(0, index) for t in self.tensors]
         norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads]).sum(0).sqrt()  # [R]: each run's norm
         clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_ scales

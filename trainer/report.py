@@ -54,6 +54,7 @@ class Job:
     plan: Plan
     forward: str  # "packed" or "padded"
     seconds: float
+    precision: str = "float32"  # or "bfloat16" (the packed model with flash attention on a GPU)
 
 
 def build(job: Job, kept: dict[str, Any], model: TaskModel, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,6 +91,7 @@ def build(job: Job, kept: dict[str, Any], model: TaskModel, runs: list[dict[str,
         },
         "seconds": job.seconds,
         "forward": job.forward,
+        "precision": job.precision,
         "history": kept["history"],
         "runs": runs,
         "config": asdict(config),

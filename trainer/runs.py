@@ -66,7 +66,7 @@ class Run:
     best: dict[str, Any] = field(default_factory=lambda: {"score": -math.inf, "step": 0, "metrics": {}, "state": None})
     history: list[dict[str, float]] = field(default_factory=list)
     bad_evals: int = 0
-    running: float = 0.0
+    running: torch.Tensor | float = 0.0  # the loss's moving average, on the device (read back when reported)
     last_dev: dict[str, float] | None = None
     last_eval: int = 0
     steps: int = 0
@@ -143,8 +143,8 @@ class RunGroup:
         TrainingStopped."""
         step = self.step = self.step + 1
         self.optimizer.step([r.index for r in u.active])
-        for r, loss in zip(u.active, losses, strict=True):
-            value = loss.item()
+        for r, loss in zip(u.active, losses, strict=True):  # on the device: no update waits for the one before
+            value = loss.detach()
             r.running = 0.9 * r.running + 0.1 * value if step > 1 else value
             r.steps = step
         self.bar.update(1)
@@ -153,7 +153,7 @@ class RunGroup:
             self._evaluate(u.active)
         lead = max(self.runs, key=lambda r: r.best["score"])  # a tie: the earlier run
         if evaluated:
-            self.bar.set_postfix(loss=f"{lead.running:.4f}", dev=f"{lead.best['score']:.4f}", runs=len(u.active))
+            self.bar.set_postfix(loss=f"{float(lead.running):.4f}", dev=f"{lead.best['score']:.4f}", runs=len(u.active))
         # Reported at every evaluation and on a timer in between: the worker's lease heartbeat rides on this.
         on_progress, due = self.ctx.on_progress, time.perf_counter() - self.last_report >= self.ctx.progress_every_s
         if on_progress is not None and (evaluated or due):
@@ -162,7 +162,7 @@ class RunGroup:
                 {
                     "step": step,
                     "total_steps": self.total,
-                    "loss": lead.running,
+                    "loss": float(lead.running),
                     "dev": lead.last_dev,
                     "seed": lead.seed,
                     "lr": lead.lr,
@@ -182,7 +182,7 @@ class RunGroup:
             raise TrainingStopped(step, self.total) from None
         for r, metrics in zip(active, scores, strict=True):
             r.last_dev, score = metrics, metrics[ctx.metric]
-            r.history.append({"step": step, "loss": r.running, f"dev_{ctx.metric}": score})
+            r.history.append({"step": step, "loss": float(r.running), f"dev_{ctx.metric}": score})
             # A tie goes to the later checkpoint: on a small dev set ties are common, and of two checkpoints the dev
             # set cannot tell apart, the one trained longer is the better bet. Only a strict gain resets patience.
             r.bad_evals = 0 if score > r.best["score"] else r.bad_evals + 1

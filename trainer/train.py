@@ -27,6 +27,7 @@ from patchserve.patches.encoder import Encoder, resolve_device
 from patchserve.patches.format import Patch
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import PackedBert, packed_unsupported
+from patchserve.patches.packed_model import training_dtype
 from patchserve.patches.train_config import TrainConfig
 from patchserve.trainer import report, selection
 from patchserve.trainer.evaluation import evaluate_runs, label_vectors
@@ -106,7 +107,22 @@ class PatchTraining:
             should_stop=should_stop,
         )
         forward = "packed" if self.packed else "padded"
-        self.job = report.Job(encoder, kind, labels, pooling, metric, max_len, train, dev, test, self.plan, forward, 0)
+        half = self.packed and training_dtype(resolve_device(config.device), config.precision) is not None
+        self.job = report.Job(
+            encoder,
+            kind,
+            labels,
+            pooling,
+            metric,
+            max_len,
+            train,
+            dev,
+            test,
+            self.plan,
+            forward,
+            0,
+            precision="bfloat16" if half else "float32",
+        )
         self.packed_bert = packed_bert if self.packed else None
         specs = self.plan.specs
         self._queued = [specs] if self.packed else [[spec] for spec in specs]  # run groups still to train
