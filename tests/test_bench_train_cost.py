@@ -31,12 +31,15 @@ def _args(tmp_path, tiny_bert_dir, mode):
         run_max_steps=6,
         concurrent_jobs=3,
         job_rows=8,
+        job_dev_rows=8,
         job_max_steps=4,
     )
 
 
 def test_each_mode_trains_its_own_parameters_and_reports_cost(tiny_bert_dir, tmp_path):
-    got = {mode: child(_args(tmp_path, tiny_bert_dir, mode)) for mode in ("packed", "padded", "full", "packed-ia3")}
+    modes = ("packed", "padded", "full", "packed-ia3", "packed-float32")
+    got = {mode: child(_args(tmp_path, tiny_bert_dir, mode)) for mode in modes}
+    assert got["packed-float32"]["trainable_params"] == got["packed"]["trainable_params"]  # the arithmetic differs
     assert got["packed"]["trainable_params"] == got["padded"]["trainable_params"]
     # (IA)^3: 3 scales a layer (key, value: hidden; intermediate: its width) on top of the biases
     config = tiny_bert_dir_config(tiny_bert_dir)
@@ -111,8 +114,17 @@ def test_render_reads_rows_before_and_after_packed_training(tmp_path):
     out.write_text("".join(json.dumps(r) + "\n" for r in (old, new, quick)))
     render(out)
     md = (tmp_path / "train_cost.md").read_text()
-    assert "| cpu (2 threads) | 4 | 1 / 2 | - | 1.0 | 2.0 | - | 0.50x |" in md
-    assert "| cpu (2 threads) | 32 | 1 / 2 | 400.0 | 720.0 | 1000.0 | 1.80x | 0.40x | 1.0 | 2.0 | 3.0 |" in md
+    assert "| cpu (2 threads) | 4 | 1 / 2 | - | - | 1.0 | 2.0 | - | 0.50x |" in md
+    assert "| cpu (2 threads) | 32 | 1 / 2 | 400.0 | - | 720.0 | 1000.0 | 1.80x | 0.40x | 1.0 | 2.0 | 3.0 |" in md
     assert "| NVIDIA H100 80GB HBM3 (--quick, alone on the GPU) | 32 | 1 / 2 | 400.0 |" in md
     runs = "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | 150.0 s, 630 steps, 80.0 | 120.0 s, 600 steps, 79.0 | 0.83x |"
     assert runs in md
+    # a GPU row with the float32 update beside the default's, and default runs without the padded one
+    gpu = quick | {"ms_update_packed_float32": 410.0, "note": "on a GPU"}
+    for key in ("run_s_padded", "run_steps_padded", "run_dev_accuracy_padded", "run_speedup_packed"):
+        gpu.pop(key)
+    out.write_text(json.dumps(gpu) + "\n")
+    render(out)
+    md = (tmp_path / "train_cost.md").read_text()
+    assert "| NVIDIA H100 80GB HBM3 (on a GPU) | 32 | 1 / 2 | 400.0 | 410.0 | 720.0 | 1000.0 |" in md
+    assert "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | - | 120.0 s, 600 steps, 79.0 | 0.83x | - |" in md
