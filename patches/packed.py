@@ -94,6 +94,40 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return x * keep_mask(x.shape, keep, x.device).to(x.dtype).mul_(1.0 / keep)
 
 
+def token_biases(
+    banks: Mapping[str, torch.Tensor], slot: torch.Tensor, by_layer: bool
+) -> Callable[[str], torch.Tensor]:
+    """``bias(name)``: each token's row of bank ``name`` (``slot`` ``[N]`` gives the row), or the bank itself where
+    it has one row (added by broadcasting). ``by_layer``: the banks of a layer are gathered together, in one
+    concatenation and one gather, at the first one a layer asks for (a layer asks for its banks in turn, so each is
+    gathered once), and their gradients scatter back in one op too: a handful of launches a layer instead of two
+    for each bank. For a trainer's banks (a few rows each); a server's hold a row per slot, too many to concatenate
+    at every batch."""
+    current: dict[str, torch.Tensor] = {}
+
+    def group(name: str) -> list[str]:  # "3.qkv" -> every bank of layer 3; "emb_ln", "out" alone
+        prefix = name.split(".")[0] + "."
+        return [k for k in banks if k.startswith(prefix) and k != "pooler"] if "." in name else [name]
+
+    def bias(name: str) -> torch.Tensor:
+        bank = banks[name]
+        if bank.shape[0] == 1:
+            return bank
+        if not by_layer:  # (a trainer's bank may be a column view of its flat bank: gathered from a copy, it is
+            return bank.contiguous().index_select(0, slot)  # read in rows, not element by element)
+        if name not in current:
+            members = group(name)
+            current.clear()  # the layer before is done with its banks
+            if len(members) == 1:
+                current[name] = bank.index_select(0, slot)
+            else:
+                tokens = torch.cat([banks[k] for k in members], dim=1).index_select(0, slot)
+                current.update(zip(members, tokens.split([banks[k].shape[1] for k in members], dim=1), strict=True))
+        return current[name]
+
+    return bias
+
+
 @dataclass
 class _Layer:
     wqkv: torch.Tensor  # [3H, H]: query, key, value weights stacked
@@ -269,17 +303,19 @@ class PackedBert:
 
         h = self.hidden
         vals: dict[str, torch.Tensor] = {}
-        carry = get("embeddings.LayerNorm.bias")  # the beta of the LayerNorm in front, not yet added
+        # the beta of the LayerNorm in front, not yet added; None where betas are not folded (a trainer's banks): then
+        # nothing is carried, and no product or sum of zeros is made (each would be a launch, and its backward one)
+        carry: torch.Tensor | None = get("embeddings.LayerNorm.bias")
         if not self.fold_ln_bias:
-            vals["emb_ln"] = carry
-            carry = torch.zeros_like(carry)
+            vals["emb_ln"], carry = get("embeddings.LayerNorm.bias"), None
         for i, layer in enumerate(self.layers):
             n = layer.names
-            folded = mv(layer.wqkv, carry)  # [K, 3H]: the carried beta through the query, key and value weights
-            bq = get(n["q"]) + folded[:, :h]
-            bk = get(n["k"]) + folded[:, h : 2 * h]
-            bv = get(n["v"]) + folded[:, 2 * h :]
-            bo = get(n["o"]) + carry  # the residual stream carries the normalised value without its beta
+            bq, bk, bv, bo = get(n["q"]), get(n["k"]), get(n["v"]), get(n["o"])
+            if carry is not None:
+                folded = mv(layer.wqkv, carry)  # [K, 3H]: the carried beta through the query, key and value weights
+                bq, bv = bq + folded[:, :h], bv + folded[:, 2 * h :]
+                bk = bk if self.drop_key_bias else bk + folded[:, h : 2 * h]
+                bo = bo + carry  # the residual stream carries the normalised value without its beta
             if self.drop_key_bias:
                 bk = torch.zeros_like(bk)
             if scaled:
@@ -298,9 +334,8 @@ class PackedBert:
                 vals[f"{i}.ln1"], vals[f"{i}.i"], vals[f"{i}.f"] = b1, get(n["i"]), get(n["f"])
             carry = get(n["ln2"])
             if not self.fold_ln_bias:
-                vals[f"{i}.ln2"] = carry
-                carry = torch.zeros_like(carry)
-        if self.fold_ln_bias:
+                vals[f"{i}.ln2"], carry = get(n["ln2"]), None
+        if carry is not None:
             vals["out"] = carry
         if self.pooler_w is not None:
             vals["pooler"] = get("pooler.dense.bias")
@@ -344,20 +379,18 @@ class PackedBert:
         banks: Mapping[str, torch.Tensor] | None = None,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
+        gather_by_layer: bool = False,
     ) -> torch.Tensor:
         """Final token states ``[N, H]``, float32 (the last LayerNorm, its beta, pooling and heads run in float32,
         so half precision rounds them once less than the plain model does); padding tokens hold anything.
 
         ``banks`` replaces the resident banks (a trainer's, computed from its parameters); a bank of one row is
         added to every token by broadcasting, without a gather. The dropouts are BERT's (after the embeddings, on
-        the attention probabilities, after the attention-output and output projections): a trainer's, 0 to serve."""
+        the attention probabilities, after the attention-output and output projections): a trainer's, 0 to serve.
+        ``gather_by_layer``: ``token_biases``' (a trainer's few banks)."""
         h = self.hidden
         banks = self.banks if banks is None else banks
-        slot = b.tok_slot
-
-        def bias(name: str) -> torch.Tensor:
-            bank = banks[name]
-            return bank if bank.shape[0] == 1 else bank.index_select(0, slot)
+        bias = token_biases(banks, b.tok_slot, gather_by_layer)
 
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from patchserve.patches.data import DataError, load_dataset, split_dev
+from patchserve.trainer.features import Features, collate
 from tests.helpers import synthetic_rows, write_jsonl
 
 
@@ -43,3 +45,25 @@ def test_readers_csv_unicode_separators_and_inference(tmp_path):
     assert (len(train), len(dev)) == (45, 5)
     with pytest.raises(DataError, match="not among the task's labels"):
         load_dataset(f, kind="classification", labels=["x"])
+
+
+@pytest.mark.parametrize("kind", ["classification", "regression", "token-classification"])
+def test_collate_pads_rows_on_the_right_and_keeps_their_lengths_on_the_host(kind):
+    rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    label: dict[str, list] = {
+        "classification": [0, 2, 1],
+        "regression": [0.5, 1.5, -2.0],
+        "token-classification": [[-100, 3, -100], [1], [-100, 0, 2, 1, -100]],
+    }
+    feats = [Features(ids, [i % 2] * len(ids), lab) for i, (ids, lab) in enumerate(zip(rows, label[kind], strict=True))]
+    b = collate(feats, 99, kind, torch.device("cpu"))
+    assert b["input_ids"].tolist() == [[5, 6, 7, 99, 99], [8, 99, 99, 99, 99], [9, 10, 11, 12, 13]]
+    assert b["token_type_ids"].tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert b["lengths"].tolist() == [3, 1, 5] and b["lengths"].device.type == "cpu"
+    assert all(b[k].dtype == torch.long for k in ("input_ids", "token_type_ids", "attention_mask"))
+    if kind == "token-classification":
+        assert b["labels"].tolist() == [[-100, 3, -100, -100, -100], [1, -100, -100, -100, -100], label[kind][2]]
+    else:
+        assert b["labels"].tolist() == label[kind]
+        assert b["labels"].dtype == (torch.float32 if kind == "regression" else torch.long)

@@ -223,6 +223,31 @@ def test_packing_with_lengths_from_the_host_equals_reading_the_mask(tiny_encoder
     assert torch.equal(a.tok_slot, run.repeat_interleave(batch["attention_mask"].sum(1)))
 
 
+@pytest.mark.parametrize("scales", ["none", "ia3"])
+def test_gathering_a_layers_banks_together_equals_one_gather_each(tiny_encoder, scales):
+    """On a GPU the trainer gathers each layer's banks in one op (``gather_by_layer``): the same token states and
+    the same gradients as a gather per bank."""
+    encoder = _perturbed(tiny_encoder.model, seed=3)
+    trained = target_names(encoder, "all") + scale_names(encoder, scales)
+    heads = [nn.Linear(tiny_encoder.hidden_size, 2) for _ in range(3)]
+    model = PackedTaskModel(encoder, heads, "classification", "mean", trained)
+    with torch.no_grad():
+        model.bank.add_(0.05 * torch.randn(model.bank.shape, generator=torch.Generator().manual_seed(4)))
+    batch = _batch(tiny_encoder.tokenizer, "classification", 2)
+    b, lengths = model.pack(batch["input_ids"], batch["attention_mask"], run=torch.tensor([0, 1, 2, 1, 0]))
+    add_exact_attention(b, lengths)
+    outs, grads = [], []
+    for by_layer in (False, True):
+        model.bank.grad = None
+        x = model.packed.encode(b, "exact", banks=model.banks(), gather_by_layer=by_layer)
+        x.backward(torch.arange(x.numel(), dtype=x.dtype).view_as(x).cos())
+        outs.append(x)
+        grads.append(model.bank.grad)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    assert grads[0] is not None and grads[0].abs().sum() > 0
+
+
 def test_training_precision_is_float32_off_a_gpu():
     assert training_dtype(torch.device("cpu")) is None
     assert training_dtype(torch.device("cpu"), "float32") is None
