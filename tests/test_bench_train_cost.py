@@ -60,6 +60,8 @@ def test_default_runs_use_their_own_forward(tiny_bert_dir, tmp_path):
         "run-full": "padded",
     }
     assert all(r["seconds"] > 0 and r["steps"] > 0 and 0 <= r["dev_accuracy"] <= 1 for r in runs.values())
+    restarts = run_child(_args(tmp_path, tiny_bert_dir, "run-restarts3"))
+    assert restarts["forward"] == "packed" and restarts["runs"] == 3 and restarts["seconds"] > 0
 
 
 def test_concurrent_jobs_train_every_job_one_at_a_time_and_together(tiny_bert_dir, tmp_path):
