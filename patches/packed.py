@@ -305,9 +305,10 @@ class PackedBert:
         vals: dict[str, torch.Tensor] = {}
         # the beta of the LayerNorm in front, not yet added; None where betas are not folded (a trainer's banks): then
         # nothing is carried, and no product or sum of zeros is made (each would be a launch, and its backward one)
-        carry: torch.Tensor | None = get("embeddings.LayerNorm.bias")
+        beta = get("embeddings.LayerNorm.bias")
+        carry: torch.Tensor | None = beta
         if not self.fold_ln_bias:
-            vals["emb_ln"], carry = get("embeddings.LayerNorm.bias"), None
+            vals["emb_ln"], carry = beta, None
         for i, layer in enumerate(self.layers):
             n = layer.names
             bq, bk, bv, bo = get(n["q"]), get(n["k"]), get(n["v"]), get(n["o"])
@@ -332,9 +333,10 @@ class PackedBert:
                 vals[f"{i}.f"] = get(n["f"]) + b1
             else:
                 vals[f"{i}.ln1"], vals[f"{i}.i"], vals[f"{i}.f"] = b1, get(n["i"]), get(n["f"])
-            carry = get(n["ln2"])
+            beta = get(n["ln2"])
+            carry = beta
             if not self.fold_ln_bias:
-                vals[f"{i}.ln2"], carry = get(n["ln2"]), None
+                vals[f"{i}.ln2"], carry = beta, None
         if carry is not None:
             vals["out"] = carry
         if self.pooler_w is not None:

@@ -167,11 +167,11 @@ class PackedTaskModel(nn.Module):
         host_lengths = torch.tensor(row_lengths, dtype=torch.long)
         cu = torch.zeros(n_rows + 1, dtype=torch.long)
         cu[1:] = host_lengths.cumsum(0)
+        n = int(cu[-1])
         seg = torch.repeat_interleave(torch.arange(n_rows), host_lengths)
-        pos = torch.arange(int(cu[-1])) - cu[:-1].repeat_interleave(host_lengths)
+        pos = torch.arange(n) - cu[:-1].repeat_interleave(host_lengths)
         # one copy: each token's place in the padded [B, width] grid, its position in its row, its row; then cu
         flat = to_device(torch.cat([seg * width + pos, pos, seg, cu]), device)
-        n = int(cu[-1])
         grid, pos_d, seg_d, cu_d = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n], flat[3 * n :]
         if run is None:
             run = torch.zeros(n_rows, dtype=torch.long)
