@@ -22,6 +22,7 @@ from torch import nn
 
 from patchserve.patches.errors import EncoderError, PatchKeysError
 from patchserve.patches.format import IA3_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
+from patchserve.patches.lora import apply_factors, split_factor
 
 _L = r"encoder\.layer\.(\d+)\."
 _BERT_ROLES = {
@@ -245,14 +246,18 @@ def ia3_values(encoder: nn.Module) -> dict[str, torch.Tensor]:
 def apply_values(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
     """Copy a patch's values (``Patch.values``: biases and (IA)^3 scales) into a plain HF model in place (the reference
     path for tests and evaluation). An (IA)^3 scale becomes a buffer of its module and a forward hook (installed once
-    per module) multiplies the module's output by it."""
+    per module) multiplies the module's output by it. LoRA factors are ``patches.lora.apply_factors``'."""
     encoder = encoder_of(model)
     params = bias_parameters(encoder)
     sites = ia3_sites(encoder)
-    unknown = sorted(set(values) - set(params) - set(sites))
+    factors = {n: v for n, v in values.items() if split_factor(n) is not None}
+    unknown = sorted(set(values) - set(params) - set(sites) - set(factors))
     if unknown:
         raise PatchKeysError(f"the model has no bias or (IA)^3 site {unknown[:5]}")
+    apply_factors(encoder, factors)
     for name, value in values.items():
+        if name in factors:
+            continue
         if name in params:
             params[name].copy_(value.to(params[name].device, params[name].dtype))
             continue

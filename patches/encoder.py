@@ -27,6 +27,7 @@ from torch import nn
 from patchserve.patches.bitfit import bias_shapes, scale_shapes
 from patchserve.patches.errors import EncoderError
 from patchserve.patches.format import BaseSpec
+from patchserve.patches.lora import lora_shapes
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,15 @@ class Encoder:
 
     @property
     def spec(self) -> BaseSpec:
-        """What this encoder accepts: its fingerprint and the shape of every bias and (IA)^3 site."""
+        """What this encoder accepts: its fingerprint and the shape of every bias, (IA)^3 site and LoRA site."""
         if self._spec is None:
             self._spec = BaseSpec(
-                self.name, self.fingerprint, self.hidden_size, bias_shapes(self.model), scale_shapes(self.model)
+                self.name,
+                self.fingerprint,
+                self.hidden_size,
+                bias_shapes(self.model),
+                scale_shapes(self.model),
+                lora_shapes(self.model),
             )
         return self._spec
 

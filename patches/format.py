@@ -8,6 +8,9 @@ This module is the ONLY place that knows tensor key names and the header layout.
   2022) that multiplies the output of that module elementwise: every layer's key and value projections (after their
   bias) and its feed-forward intermediate (after the activation), e.g. ``scale.encoder.layer.0.attention.self.key``
   and ``scale.encoder.layer.0.intermediate`` (a module name, never a parameter's: it does not end in ``.weight``);
+* ``lora.<linear module name>.lora_A`` float32 ``[r, in]`` and ``lora.<linear module name>.lora_B`` ``[out, r]`` --
+  only in a ``lora`` patch: the low-rank update of that linear layer, ``W' = W + B A``; B holds the LoRA scaling
+  already (alpha / r, or alpha / sqrt(r) with rsLoRA), so serving needs no alpha;
 * ``head.weight`` float32 ``[n_out, hidden]`` and ``head.bias`` float32 ``[n_out]`` -- the task head;
 * one metadata entry ``"patchserve"`` in the safetensors header: canonical JSON of :class:`PatchMeta`.
 
@@ -62,13 +65,17 @@ SUPPORTED_FORMAT_VERSIONS = frozenset({1})
 METADATA_KEY = "patchserve"
 PATCH_TYPE = "bitfit"  # biases + head (the default)
 IA3_PATCH_TYPE = "bitfit-ia3"  # biases + (IA)^3 scales on keys, values, FFN intermediates + head (``--scales ia3``)
-PATCH_TYPES = (PATCH_TYPE, IA3_PATCH_TYPE)
+LORA_PATCH_TYPE = "lora"  # biases + low-rank (LoRA) factors on chosen linear layers + head (PEFT's bias="all")
+PATCH_TYPES = (PATCH_TYPE, IA3_PATCH_TYPE, LORA_PATCH_TYPE)
 # Patch types earlier releases wrote and this one no longer serves, with what they held (docs/experiments.md says
 # why each was retired). Reading one is a RetiredPatchTypeError that says what to do, never a crash.
 RETIRED_PATCH_TYPES = {"bitfit-ln": "biases and every LayerNorm's gain"}
 FILE_SUFFIX = ".safetensors"
 BIAS_PREFIX = "bias."
 SCALE_PREFIX = "scale."
+LORA_PREFIX = "lora."
+# a LoRA factor's name: its linear module's name and one of these suffixes (PEFT's names, without ".weight")
+LORA_A, LORA_B = ".lora_A", ".lora_B"
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
 DEFAULT_MAX_PATCH_BYTES = 64 * 1024 * 1024
@@ -96,6 +103,7 @@ class BaseSpec:
     hidden_size: int
     bias_shapes: Mapping[str, tuple[int, ...]]
     scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # (IA)^3 sites
+    lora_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # LoRA sites: module -> (out, in)
 
 
 @dataclass
@@ -232,7 +240,8 @@ class Patch:
     ``biases`` maps encoder parameter names (``encoder.layer.0.attention.self.query.bias``) to ``[dim]`` float32;
     ``head_weight`` is ``[n_out, hidden]`` and ``head_bias`` ``[n_out]``. ``scales`` (empty in a ``bitfit`` patch)
     maps the names of the modules whose outputs its (IA)^3 scales multiply (``encoder.layer.0.intermediate``, a
-    ``bitfit-ia3`` patch) to their trained ``[dim]`` values.
+    ``bitfit-ia3`` patch) to their trained ``[dim]`` values. ``lora`` (a ``lora`` patch) maps
+    ``<linear module name>.lora_A`` to ``[r, in]`` and ``.lora_B`` to ``[out, r]`` (scaled: ``W' = W + B A``).
     """
 
     meta: PatchMeta
@@ -240,6 +249,7 @@ class Patch:
     head_weight: torch.Tensor
     head_bias: torch.Tensor
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    lora: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.meta.validate()
@@ -250,6 +260,7 @@ class Patch:
         """Every tensor of the patch under its file key (``bias.<name>``, ``scale.<name>``, the head's two)."""
         keyed = {BIAS_PREFIX + k: v for k, v in self.biases.items()}
         keyed.update({SCALE_PREFIX + k: v for k, v in self.scales.items()})
+        keyed.update({LORA_PREFIX + k: v for k, v in self.lora.items()})
         keyed.update({HEAD_WEIGHT: self.head_weight, HEAD_BIAS: self.head_bias})
         return keyed
 
@@ -266,14 +277,20 @@ class Patch:
 
     @property
     def n_params(self) -> int:
-        """Number of values the patch carries (biases + scales + head)."""
-        vectors = sum(t.numel() for t in [*self.biases.values(), *self.scales.values()])
+        """Number of values the patch carries (biases + scales + LoRA factors + head)."""
+        vectors = sum(t.numel() for t in [*self.biases.values(), *self.scales.values(), *self.lora.values()])
         return vectors + self.head_weight.numel() + self.head_bias.numel()
 
     @property
     def values(self) -> dict[str, torch.Tensor]:
-        """Everything the patch sets in the encoder (its biases and its scales), by parameter or module name."""
-        return self.biases | self.scales
+        """Everything the patch sets in the encoder (its biases, scales and LoRA factors), by parameter, module or
+        factor name."""
+        return self.biases | self.scales | self.lora
+
+    @property
+    def lora_rank(self) -> int:
+        """The largest rank of the patch's LoRA factors (0: none)."""
+        return max((int(t.shape[0]) for k, t in self.lora.items() if k.endswith(LORA_A)), default=0)
 
     # --- (de)serialisation -------------------------------------------------------------------------------
     @classmethod
@@ -299,17 +316,24 @@ class Patch:
         for key in (HEAD_WEIGHT, HEAD_BIAS):
             if key not in tensors:
                 raise PatchKeysError(f"patch lacks the tensor {key!r}; re-export the patch")
-        prefixes = (BIAS_PREFIX, SCALE_PREFIX)
+        prefixes = (BIAS_PREFIX, SCALE_PREFIX, LORA_PREFIX)
         unknown = sorted(k for k in tensors if k not in (HEAD_WEIGHT, HEAD_BIAS) and not k.startswith(prefixes))
         if unknown:
             raise PatchKeysError(
                 f"patch has unknown tensor keys {unknown[:5]}; a patch holds only '{BIAS_PREFIX}<param>', "
-                f"'{SCALE_PREFIX}<name>', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
+                f"'{SCALE_PREFIX}<name>', '{LORA_PREFIX}<module>{LORA_A}|{LORA_B}', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
             )
-        biases = {k[len(BIAS_PREFIX) :]: v for k, v in tensors.items() if k.startswith(BIAS_PREFIX)}
-        scales = {k[len(SCALE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SCALE_PREFIX)}
+
+        def under(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
         return cls(
-            meta=meta, biases=biases, head_weight=tensors[HEAD_WEIGHT], head_bias=tensors[HEAD_BIAS], scales=scales
+            meta=meta,
+            biases=under(BIAS_PREFIX),
+            head_weight=tensors[HEAD_WEIGHT],
+            head_bias=tensors[HEAD_BIAS],
+            scales=under(SCALE_PREFIX),
+            lora=under(LORA_PREFIX),
         )
 
     @classmethod
@@ -328,7 +352,8 @@ class Patch:
     def _check_tensors(self) -> None:
         if not self.biases:
             raise PatchKeysError("patch has no bias tensors; it would not change the encoder")
-        scaled = self.meta.patch_type != PATCH_TYPE
+        self._check_lora()
+        scaled = self.meta.patch_type == IA3_PATCH_TYPE
         if scaled != bool(self.scales):
             raise PatchKeysError(
                 f"a {self.meta.patch_type!r} patch "
@@ -360,6 +385,31 @@ class Patch:
         if tuple(self.head_bias.shape) != (n_out,):
             raise PatchShapeError(f"{HEAD_BIAS!r} has shape {tuple(self.head_bias.shape)}; expected [{n_out}]")
 
+    def _check_lora(self) -> None:
+        """A ``lora`` patch holds, for each of its modules, an A ``[r, in]`` and a B ``[out, r]`` of one rank; no other
+        patch holds any."""
+        lora = self.meta.patch_type == LORA_PATCH_TYPE
+        if lora != bool(self.lora):
+            raise PatchKeysError(
+                f"a {self.meta.patch_type!r} patch "
+                + ("needs" if lora else "has no")
+                + f" '{LORA_PREFIX}<module>{LORA_A}' tensors (LoRA factors), this one has {len(self.lora)}; "
+                "re-export it"
+            )
+        for name, t in self.lora.items():
+            module, suffix = name[: -len(LORA_A)], name[-len(LORA_A) :]
+            if suffix not in (LORA_A, LORA_B):
+                raise PatchKeysError(f"LoRA factor {name!r} must end in {LORA_A!r} or {LORA_B!r}; re-export the patch")
+            other = self.lora.get(module + (LORA_B if suffix == LORA_A else LORA_A))
+            if other is None:
+                raise PatchKeysError(f"LoRA factor {name!r} has no {LORA_B if suffix == LORA_A else LORA_A} pair")
+            a, b = (t, other) if suffix == LORA_A else (other, t)
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] < 1:
+                raise PatchShapeError(
+                    f"LoRA factors of {module!r} have shapes A {tuple(a.shape)} and B {tuple(b.shape)}; they must be "
+                    "A [r, in] and B [out, r] of one rank r >= 1"
+                )
+
     def check_compatible(self, base: BaseSpec) -> None:
         """Refuse a patch that does not fit ``base``: other fingerprint, unknown biases or wrong shapes."""
         if self.meta.base.fingerprint != base.fingerprint:
@@ -375,6 +425,18 @@ class Patch:
             base.scale_shapes,
             "scales what is not an (IA)^3 site of this encoder",
         )
+        for name, t in self.lora.items():
+            module = name[: -len(LORA_A)]
+            if module not in base.lora_shapes:
+                example = next(iter(base.lora_shapes), "(none)")
+                raise PatchKeysError(
+                    f"patch has LoRA factors for {module!r}, which is not a linear layer this encoder serves LoRA on "
+                    f"(they look like {example!r})"
+                )
+            out_f, in_f = base.lora_shapes[module]
+            want = (t.shape[0], in_f) if name.endswith(LORA_A) else (out_f, t.shape[1])
+            if tuple(t.shape) != want:
+                raise PatchShapeError(f"LoRA factor {name!r} has shape {tuple(t.shape)}, this encoder needs {want}")
         if self.head_weight.shape[1] != base.hidden_size:
             raise PatchShapeError(
                 f"{HEAD_WEIGHT!r} expects hidden size {self.head_weight.shape[1]}, the encoder has {base.hidden_size}"

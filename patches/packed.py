@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchserve.patches.bitfit import bias_parameters, ia3_base
+from patchserve.patches.packed_lora import LoraBank, LoraFactors, LowRank, fold_products, fold_through
+from patchserve.patches.packed_ops import dropout, token_biases
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -68,64 +70,6 @@ def packed_unsupported(model: nn.Module) -> str | None:
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         return "decoder / cross-attention encoders are not packed"
     return None
-
-
-def keep_mask(shape: Sequence[int], keep: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A bool tensor of ``shape`` whose elements are independently True with probability ``keep`` (to within
-    2^-32; ``bernoulli_``'s own is quantised to 2^-31).
-
-    Drawn from torch's generator (``torch.manual_seed`` governs it) 64 bits at a time: ``random_`` over the whole
-    int64 range, read as two uniform 32-bit integers, each compared with one threshold: on the CPU cheaper than
-    ``bernoulli_``, whose masks were a large share of a packed training update (docs/benchmarks/train_cost.md)."""
-    n = math.prod(shape)
-    ints = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-(2**63), None).view(torch.int32)
-    threshold = min(round(keep * 2**32), 2**32 - 1) - 2**31  # int32 is uniform over [-2^31, 2^31)
-    return (ints[:n] < threshold).view(tuple(shape))
-
-
-def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """Training dropout at rate ``p`` (0: ``x`` itself): the same distribution as ``F.dropout``. On the CPU the mask
-    is ``keep_mask``'s; elsewhere it is ``F.dropout``'s (fused on CUDA)."""
-    if p <= 0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, training=True)
-    keep = 1.0 - p
-    return x * keep_mask(x.shape, keep, x.device).to(x.dtype).mul_(1.0 / keep)
-
-
-def token_biases(
-    banks: Mapping[str, torch.Tensor], slot: torch.Tensor, by_layer: bool
-) -> Callable[[str], torch.Tensor]:
-    """``bias(name)``: each token's row of bank ``name`` (``slot`` ``[N]`` gives the row), or the bank itself where
-    it has one row (added by broadcasting). ``by_layer``: the banks of a layer are gathered together, in one
-    concatenation and one gather, at the first one a layer asks for (a layer asks for its banks in turn, so each is
-    gathered once), and their gradients scatter back in one op too: a handful of launches a layer instead of two
-    for each bank. For a trainer's banks (a few rows each); a server's hold a row per slot, too many to concatenate
-    at every batch."""
-    current: dict[str, torch.Tensor] = {}
-
-    def group(name: str) -> list[str]:  # "3.qkv" -> every bank of layer 3; "emb_ln", "out" alone
-        prefix = name.split(".")[0] + "."
-        return [k for k in banks if k.startswith(prefix) and k != "pooler"] if "." in name else [name]
-
-    def bias(name: str) -> torch.Tensor:
-        bank = banks[name]
-        if bank.shape[0] == 1:
-            return bank
-        if not by_layer:  # (a trainer's bank may be a column view of its flat bank: gathered from a copy, it is
-            return bank.contiguous().index_select(0, slot)  # read in rows, not element by element)
-        if name not in current:
-            members = group(name)
-            current.clear()  # the layer before is done with its banks
-            if len(members) == 1:
-                current[name] = bank.index_select(0, slot)
-            else:
-                tokens = torch.cat([banks[k] for k in members], dim=1).index_select(0, slot)
-                current.update(zip(members, tokens.split([banks[k].shape[1] for k in members], dim=1), strict=True))
-        return current[name]
-
-    return bias
 
 
 @dataclass
@@ -267,6 +211,7 @@ class PackedBert:
         self.scale_names = frozenset(layer.names[s] for layer in self.layers for s in ("sk", "sv", "si"))
         self.scales = False  # whether the banks hold per-slot (IA)^3 scales (once a patch with them is loaded)
         self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
+        self.lora: LoraBank | None = None  # the resident tasks' LoRA factors, once a LoRA patch has been loaded
         base = self.bank_values([{}])  # every slot starts as the base encoder
         self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}
 
@@ -283,7 +228,8 @@ class PackedBert:
             values = [t.get(name) for t in tasks]
             return torch.stack([base if v is None else v.to(self.device, torch.float32) for v in values])
 
-        return self._fold(get, self.scales or any(not self.scale_names.isdisjoint(t) for t in tasks))
+        scaled = self.scales or any(not self.scale_names.isdisjoint(t) for t in tasks)
+        return self._fold(get, scaled, fold_products(self, tasks))
 
     def bank_columns(self, columns: Mapping[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
         """``bank_values`` of K tasks given as columns: each name's ``[K, D]`` values (float32, on this model's
@@ -293,13 +239,16 @@ class PackedBert:
             column = columns.get(name)
             return self.base[name].expand(k, -1) if column is None else column
 
-        return self._fold(get, self.scales or not self.scale_names.isdisjoint(columns))
+        return self._fold(get, self.scales or not self.scale_names.isdisjoint(columns), {})
 
-    def _fold(self, get: Callable[[str], torch.Tensor], scaled: bool) -> dict[str, torch.Tensor]:
-        """The folded banks of K tasks whose values ``get(name)`` gives as ``[K, D]``; ``scaled``: with scale banks."""
+    def _fold(
+        self, get: Callable[[str], torch.Tensor], scaled: bool, lora: Mapping[str, list[Any]]
+    ) -> dict[str, torch.Tensor]:
+        """The folded banks of K tasks whose values ``get(name)`` gives as ``[K, D]``; ``scaled``: with scale banks;
+        ``lora``: the tasks' LoRA factors by site (``fold_products``), through which a fold passes too."""
 
-        def mv(weight: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:  # [K, in] -> [K, out]: vecs @ W.T
-            return vecs @ weight.float().t()
+        def mv(weight: torch.Tensor, vecs: torch.Tensor, site: str) -> torch.Tensor:  # [K, in] -> [K, out]
+            return vecs @ weight.float().t() + fold_through(lora, site, vecs)
 
         h = self.hidden
         vals: dict[str, torch.Tensor] = {}
@@ -313,7 +262,9 @@ class PackedBert:
             n = layer.names
             bq, bk, bv, bo = get(n["q"]), get(n["k"]), get(n["v"]), get(n["o"])
             if carry is not None:
-                folded = mv(layer.wqkv, carry)  # [K, 3H]: the carried beta through the query, key and value weights
+                folded = mv(
+                    layer.wqkv, carry, f"{i}.qkv"
+                )  # [K, 3H]: the carried beta through the query, key and value weights
                 bq, bv = bq + folded[:, :h], bv + folded[:, 2 * h :]
                 bk = bk if self.drop_key_bias else bk + folded[:, h : 2 * h]
                 bo = bo + carry  # the residual stream carries the normalised value without its beta
@@ -324,12 +275,12 @@ class PackedBert:
                 vals[f"{i}.s"] = torch.cat([torch.ones_like(sk), sk, sv], dim=1)
                 vals[f"{i}.si"] = get(n["si"])
             if self.fold_value_bias:  # attention weights sum to 1: the scaled value bias passes through them
-                bo = bo + mv(layer.wo, bv * sv if scaled else bv)
+                bo = bo + mv(layer.wo, bv * sv if scaled else bv, f"{i}.o")
                 bv = torch.zeros_like(bv)
             vals[f"{i}.qkv"], vals[f"{i}.o"] = torch.cat([bq, bk, bv], dim=1), bo
             b1 = get(n["ln1"])
             if self.fold_ln_bias:
-                vals[f"{i}.i"] = get(n["i"]) + mv(layer.wi, b1)
+                vals[f"{i}.i"] = get(n["i"]) + mv(layer.wi, b1, f"{i}.i")
                 vals[f"{i}.f"] = get(n["f"]) + b1
             else:
                 vals[f"{i}.ln1"], vals[f"{i}.i"], vals[f"{i}.f"] = b1, get(n["i"]), get(n["f"])
@@ -352,6 +303,11 @@ class PackedBert:
             self._add_scale_banks()
         for k, v in values.items():
             self.banks[k].index_copy_(0, index, v.to(self.dtype))
+        if self.lora is None and any(fold_products(self, tasks)):  # the first LoRA patch: LoRA rows from now on
+            self.lora = LoraBank(self, next(iter(self.banks.values())).shape[0])
+        if self.lora is not None:
+            for slot, task in zip(slots, tasks, strict=True):
+                self.lora.write(slot, task)
 
     def _add_scale_banks(self) -> None:
         """Give every slot (IA)^3 scale banks at their base values (which the slots loaded so far keep)."""
@@ -382,6 +338,7 @@ class PackedBert:
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
         gather_by_layer: bool = False,
+        lora: LoraFactors | None = None,
     ) -> torch.Tensor:
         """Final token states ``[N, H]``, float32 (the last LayerNorm, its beta, pooling and heads run in float32,
         so half precision rounds them once less than the plain model does); padding tokens hold anything.
@@ -389,10 +346,13 @@ class PackedBert:
         ``banks`` replaces the resident banks (a trainer's, computed from its parameters); a bank of one row is
         added to every token by broadcasting, without a gather. The dropouts are BERT's (after the embeddings, on
         the attention probabilities, after the attention-output and output projections): a trainer's, 0 to serve.
-        ``gather_by_layer``: ``token_biases``' (a trainer's few banks)."""
+        ``gather_by_layer``: ``token_biases``' (a trainer's few banks). ``lora``: LoRA factors with ``banks`` (the
+        resident ones without)."""
         h = self.hidden
-        banks = self.banks if banks is None else banks
+        if banks is None:
+            banks, lora = self.banks, self.lora.factors if self.lora is not None else None
         bias = token_biases(banks, b.tok_slot, gather_by_layer)
+        low = LowRank(lora, b)
 
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)
@@ -407,16 +367,16 @@ class PackedBert:
             x = x + F.embedding(b.types, self.token_type)
         x = drop(norm(x, self.emb_g, "emb_ln", self.emb_eps))
         for i, layer in enumerate(self.layers):
-            qkv = torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t())
+            qkv = low.add(f"{i}.qkv", x, torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t()))
             if f"{i}.s" in banks:  # (IA)^3: keys and values scaled per row (in qkv's type: autocast's bfloat16)
                 qkv = qkv * bias(f"{i}.s").to(qkv.dtype)
             ctx = self._attend(qkv, b, attention, attention_dropout)
-            y = drop(torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t()))
+            y = drop(low.add(f"{i}.o", ctx, torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t())))
             x = norm(y + x, layer.g1, f"{i}.ln1", layer.eps1)
-            y = self.act(torch.addmm(bias(f"{i}.i"), x, layer.wi.t()))
+            y = self.act(low.add(f"{i}.i", x, torch.addmm(bias(f"{i}.i"), x, layer.wi.t())))
             if f"{i}.si" in banks:  # (IA)^3: the intermediate scaled per row
                 y = y * bias(f"{i}.si").to(y.dtype)
-            y = drop(torch.addmm(bias(f"{i}.f"), y, layer.wf.t()))
+            y = drop(low.add(f"{i}.f", y, torch.addmm(bias(f"{i}.f"), y, layer.wf.t())))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()
             x = norm(y + x, layer.g2, f"{i}.ln2", layer.eps2)

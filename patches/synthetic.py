@@ -12,7 +12,17 @@ import torch
 
 from patchserve.patches.bitfit import base_biases, ia3_base, target_names
 from patchserve.patches.encoder import Encoder
-from patchserve.patches.format import IA3_PATCH_TYPE, PATCH_TYPE, BaseRef, Patch, PatchMeta
+from patchserve.patches.format import (
+    IA3_PATCH_TYPE,
+    LORA_A,
+    LORA_B,
+    LORA_PATCH_TYPE,
+    PATCH_TYPE,
+    BaseRef,
+    Patch,
+    PatchMeta,
+)
+from patchserve.patches.lora import DEFAULT_TARGETS, lora_shapes, targets_of
 from patchserve.patches.validation import Label
 
 DEFAULT_LABELS: dict[str, list[Label]] = {
@@ -54,10 +64,14 @@ def random_patch(
     head_scale: float = 1.0,
     max_seq_length: int = 32,
     ia3_scale: float = 0.0,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS,
+    lora_scale: float = 0.5,
 ) -> Patch:
     """A patch of ``encoder`` whose biases are the base values moved by seeded noise (std ``scale``), with a
     seeded random head (its weights times ``head_scale``: below 1, class scores stay away from 0 and 1).
-    ``ia3_scale`` > 0 makes a ``bitfit-ia3`` patch: every (IA)^3 scale is 1 plus noise of that std."""
+    ``ia3_scale`` > 0 makes a ``bitfit-ia3`` patch: every (IA)^3 scale is 1 plus noise of that std. ``lora_rank`` > 0
+    makes a ``lora`` patch of that rank on ``lora_targets``: A of std 1/sqrt(in), B of std ``lora_scale``."""
     gen = torch.Generator().manual_seed(seed)
     labels = DEFAULT_LABELS[kind] if labels is None else labels
     names = target_names(encoder.model, subset)
@@ -66,6 +80,13 @@ def random_patch(
     if ia3_scale > 0:
         ones = ia3_base(encoder.model)
         scales = {n: v + ia3_scale * torch.randn(v.shape, generator=gen) for n, v in ones.items()}
+    lora: dict[str, torch.Tensor] = {}
+    if lora_rank > 0:
+        shapes = lora_shapes(encoder.model)
+        for module in targets_of(encoder.model, list(lora_targets)):
+            out_f, in_f = shapes[module]
+            lora[module + LORA_A] = torch.randn(lora_rank, in_f, generator=gen) / in_f**0.5
+            lora[module + LORA_B] = lora_scale * torch.randn(out_f, lora_rank, generator=gen)
     n_out = 1 if kind == "regression" else len(labels)
     meta = PatchMeta(
         task=task,
@@ -76,7 +97,7 @@ def random_patch(
         pooling=pooling,
         max_seq_length=max_seq_length,
         metrics={"dev_accuracy": 0.5},
-        patch_type=IA3_PATCH_TYPE if scales else PATCH_TYPE,
+        patch_type=IA3_PATCH_TYPE if scales else LORA_PATCH_TYPE if lora else PATCH_TYPE,
     )
     return Patch(
         meta=meta,
@@ -84,4 +105,5 @@ def random_patch(
         head_weight=head_scale * torch.randn(n_out, encoder.hidden_size, generator=gen),
         head_bias=torch.randn(n_out, generator=gen),
         scales=scales,
+        lora=lora,
     )

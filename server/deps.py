@@ -61,7 +61,8 @@ class EncoderInfo:
     def from_engine(cls, info: Info, tokenizer: Any) -> EncoderInfo:
         shapes = {name: tuple(shape) for name, shape in info.bias_shapes.items()}
         scales = {name: tuple(shape) for name, shape in info.scale_shapes.items()}
-        spec = BaseSpec(info.name, info.fingerprint, info.hidden_size, shapes, scales)
+        lora = {name: (int(shape[0]), int(shape[1])) for name, shape in info.lora_shapes.items()}
+        spec = BaseSpec(info.name, info.fingerprint, info.hidden_size, shapes, scales, lora)
         return cls(info.name, info.fingerprint, spec, tokenizer, info.max_positions, info.default_pooling)
 
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from patchserve.patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, scale_names, target_names
 from patchserve.patches.model import TaskModel
-from patchserve.patches.packed import dropout, keep_mask
 from patchserve.patches.packed_layout import add_exact_attention
 from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_bert, training_dtype
+from patchserve.patches.packed_ops import dropout, keep_mask
 from patchserve.trainer.features import Features, collate, featurize
 from patchserve.trainer.models import set_dropout
 from patchserve.trainer.runs import loss_fn

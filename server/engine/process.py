@@ -231,6 +231,7 @@ def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions:
         dtype=str(runner.dtype).removeprefix("torch."),
         slots=runner.slots.capacity,
         scale_shapes={name: list(shape) for name, shape in spec.scale_shapes.items()},
+        lora_shapes={name: list(shape) for name, shape in spec.lora_shapes.items()},
     )
 
 

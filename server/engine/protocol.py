@@ -98,6 +98,7 @@ class Info(msgspec.Struct, tag="info", array_like=True, frozen=True):
     dtype: str
     slots: int
     scale_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the (IA)^3 sites
+    lora_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the LoRA sites: [out, in]
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True, frozen=True):

@@ -14,6 +14,11 @@ A ``bitfit-ia3`` patch's (IA)^3 scales are per-row multiplies on slotted Linears
 key and value projections' outputs (after their bias, so both simplifications stay exact: b_o' = b_o + W_o (s_v b_v)),
 and the feed-forward intermediate's output as the *input* of the output projection that reads it (W (s h) is the
 scaled intermediate's product).
+
+A ``lora`` patch's factors are per-row low-rank products on the slotted Linears it targets: ``[S, r, in]`` and
+``[S, out, r]`` banks on each targeted Linear (allocated at the first LoRA patch that targets it, grown to the largest
+rank), gathered per row and applied as two batched products. The value-bias fold passes through the attention
+output's update too: b_o' = b_o + (W_o + B A) (s_v b_v).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 from patchserve.patches.bitfit import bias_roles, ia3_roles
 from patchserve.patches.errors import EncoderError, PatchKeysError
 from patchserve.patches.format import Patch
+from patchserve.patches.lora import factor_pairs
 from patchserve.patches.model import pool
 from patchserve.server.engine.backend import Pending
 from patchserve.server.engine.protocol import Row
@@ -62,6 +68,8 @@ class SlottedLinear(nn.Module):
         self.scale_name: str | None = None  # the (IA)^3 site it serves, as patches name it
         self.scale_input = False
         self.scale: torch.Tensor | None = None  # [S, out] (or [S, in] for an input scale) once loaded
+        self.lora_a: torch.Tensor | None = None  # [S, r, in] and [S, out, r] once a LoRA patch targets it
+        self.lora_b: torch.Tensor | None = None
 
     def add_scale_bank(self, n_slots: int) -> None:
         """Every slot gets its own scale, ones to begin with (the slots loaded so far keep the unscaled module)."""
@@ -69,10 +77,34 @@ class SlottedLinear(nn.Module):
             width = self.weight.shape[1 if self.scale_input else 0]
             self.scale = self.weight.new_ones(n_slots, width)
 
+    @torch.no_grad()
+    def write_factors(self, slot: int, n_slots: int, factors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Set ``slot``'s LoRA factors (A ``[r, in]``, B ``[out, r]``), or zeros (None) where it has banks."""
+        if factors is None and self.lora_a is None:
+            return
+        rank = 0 if factors is None else int(factors[0].shape[0])
+        if self.lora_a is None or self.lora_b is None or rank > self.lora_a.shape[1]:
+            out_f, in_f = self.weight.shape
+            a, b = self.weight.new_zeros(n_slots, rank, in_f), self.weight.new_zeros(n_slots, out_f, rank)
+            if self.lora_a is not None and self.lora_b is not None:  # keep the slots loaded so far (zero-padded rank)
+                a[:, : self.lora_a.shape[1]] = self.lora_a
+                b[:, :, : self.lora_b.shape[2]] = self.lora_b
+            self.lora_a, self.lora_b = a, b
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if factors is not None:
+            self.lora_a[slot, :rank] = factors[0].to(self.weight.device, self.weight.dtype)
+            self.lora_b[slot, :, :rank] = factors[1].to(self.weight.device, self.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None and self.scale_input:
             x = x * self.index.gather(self.scale, x)
         y = F.linear(x, self.weight)  # [B, ..., out]
+        if self.lora_a is not None and self.lora_b is not None and x.dim() == 3:  # each row's (x A^T) B^T
+            rows = self.index.rows
+            assert rows is not None
+            a, b = self.lora_a.index_select(0, rows), self.lora_b.index_select(0, rows)
+            y = y + torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
         if self.bank is not None:
             y = y + self.index.gather(self.bank, y)
         if self.scale is not None and not self.scale_input:
@@ -175,14 +207,19 @@ def _folded(
     b_o: torch.Tensor,
     b_v: torch.Tensor | None,
     s_v: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """b_o' = b_o + W_o (s_v b_v) (base b_v where the task has none; ``s_v`` the value's (IA)^3 scale, if any), in
-    float32, cast to the bank's dtype."""
+    """b_o' = b_o + (W_o + B A) (s_v b_v) (base b_v where the task has none; ``s_v`` the value's (IA)^3 scale, if
+    any; ``lora`` the attention output's factors, if any), in float32, cast to the bank's dtype."""
     assert site.fold_from is not None and site.fold_weight is not None
     v = (sites[site.fold_from].base if b_v is None else b_v).float()
     if s_v is not None:
         v = v * s_v.float()
-    return (b_o.float() + site.fold_weight.float() @ v).to(site.base.dtype)
+    folded = b_o.float() + site.fold_weight.float() @ v
+    if lora is not None:
+        a, b = lora
+        folded = folded + b.to(v.device).float() @ (a.to(v.device).float() @ v)
+    return folded.to(site.base.dtype)
 
 
 @torch.no_grad()
@@ -191,8 +228,10 @@ def write_slot(
     slot: int,
     biases: Mapping[str, torch.Tensor],
     scales: Mapping[str, torch.Tensor] | None = None,
+    lora: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Load a task's biases (and (IA)^3 scales) into ``slot`` of every bank (base values where it has none)."""
+    """Load a task's biases (and (IA)^3 scales, or LoRA factors) into ``slot`` of every bank (base values where it
+    has none)."""
     modules = [s.module for s in sites.values()]
     linears = {m.scale_name: m for m in modules if isinstance(m, SlottedLinear) and m.scale_name is not None}
     scales = scales or {}
@@ -200,7 +239,15 @@ def write_slot(
     if unknown:
         raise PatchKeysError(f"this engine has no (IA)^3 site for the scales {unknown[:5]}")
     has_ia3 = bool(scales)
-    n_slots = next(s.bank for s in sites.values() if s.bank is not None).shape[0] if has_ia3 else 0
+    n_slots = next(s.bank for s in sites.values() if s.bank is not None).shape[0]
+    factors = factor_pairs(lora or {})
+    by_module = {s.name.removesuffix(".bias"): s.module for s in sites.values()}
+    unknown = sorted(set(factors) - {n for n, m in by_module.items() if isinstance(m, SlottedLinear)})
+    if unknown:
+        raise PatchKeysError(f"this engine has no linear layer for the LoRA factors of {unknown[:5]}")
+    for module_name, module in by_module.items():
+        if isinstance(module, SlottedLinear):
+            module.write_factors(slot, n_slots, factors.get(module_name))
     for name, linear in linears.items():
         if has_ia3:
             linear.add_scale_bank(n_slots)
@@ -219,7 +266,8 @@ def write_slot(
             b_v = biases.get(site.fold_from)
             v_linear = sites[site.fold_from].module
             s_v = v_linear.scale[slot] if isinstance(v_linear, SlottedLinear) and v_linear.scale is not None else None
-            value = _folded(site, sites, value, None if b_v is None else b_v.to(site.base.device), s_v)
+            b_v = None if b_v is None else b_v.to(site.base.device)
+            value = _folded(site, sites, value, b_v, s_v, factors.get(site.name.removesuffix(".bias")))
         site.bank[slot].copy_(value)
 
 
@@ -259,7 +307,7 @@ class SlottedBackend:
 
     def load(self, items: Sequence[tuple[int, Patch]]) -> None:
         for slot, patch in items:
-            write_slot(self.sites, slot, patch.biases, patch.scales)
+            write_slot(self.sites, slot, patch.biases, patch.scales, patch.lora)
             self.heads[slot] = (
                 patch.head_weight.to(self.device, self.dtype),
                 patch.head_bias.to(self.device, self.dtype),

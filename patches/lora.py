@@ -1,0 +1,129 @@
+"""LoRA on the plain model: which linear layers a ``lora`` patch may update, and applying its factors.
+
+A ``lora`` patch (Hu et al., 2021, as Hugging Face PEFT trains it with ``bias="all"``) adds a low-rank product to
+chosen linear layers, ``y = x W^T + (x A^T) B^T + b``, besides setting every bias. Its factors are named
+``<module>.lora_A`` ``[r, in]`` and ``<module>.lora_B`` ``[out, r]``, B already holding PEFT's scaling (alpha / r, or
+alpha / sqrt(r) with rsLoRA). Targets follow PEFT's names for BERT: ``query``, ``key``, ``value`` (attention),
+``attention.output.dense``, ``intermediate.dense`` and ``output.dense`` (the feed-forward output) in every layer.
+
+The plain model (tests' and evaluation's reference) applies the factors with a forward hook on each module, which
+adds the low-rank product to its output; the packed engine gathers them per row (``patches/packed_lora.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchserve.patches.errors import PatchKeysError
+from patchserve.patches.format import LORA_A, LORA_B
+
+_L = r"encoder\.layer\.(\d+)\."
+_BERT_LORA = {
+    "q": _L + r"attention\.self\.query",
+    "k": _L + r"attention\.self\.key",
+    "v": _L + r"attention\.self\.value",
+    "o": _L + r"attention\.output\.dense",
+    "i": _L + r"intermediate\.dense",
+    "f": _L + r"output\.dense",
+}
+#: model_type -> LoRA role -> regex over the encoder's module names (group 1: the layer). Roles: q, k, v the attention
+#: projections, o the attention output, i the feed-forward intermediate, f the feed-forward output.
+LORA_RULES: dict[str, dict[str, str]] = {"bert": _BERT_LORA, "roberta": _BERT_LORA, "xlm-roberta": _BERT_LORA}
+#: PEFT's short target names (``target_modules``) for each role, as PEFT matches them (a name's suffix)
+ROLE_TARGETS = {
+    "q": "query",
+    "k": "key",
+    "v": "value",
+    "o": "attention.output.dense",
+    "i": "intermediate.dense",
+    "f": "output.dense",
+}
+#: what ``--lora-targets`` takes when none are given: PEFT's default for BERT (query and value)
+DEFAULT_TARGETS = ("query", "value")
+
+_FACTORS = "lora_factors"
+
+
+def lora_roles(encoder: nn.Module) -> dict[str, tuple[str, int]]:
+    """Each LoRA site's (role, layer), by module name, in the encoder's order (none for an architecture without
+    rules)."""
+    model_type = str(getattr(getattr(encoder, "config", None), "model_type", None))
+    rules = {role: re.compile(rx) for role, rx in LORA_RULES.get(model_type, {}).items()}
+    out: dict[str, tuple[str, int]] = {}
+    for name, module in encoder.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        for role, rx in rules.items():
+            m = rx.fullmatch(name)
+            if m:
+                out[name] = (role, int(m.group(1)))
+    return out
+
+
+def lora_shapes(encoder: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every LoRA site's weight shape ``(out, in)``, by module name."""
+    modules = dict(encoder.named_modules())
+    return {n: (int(modules[n].out_features), int(modules[n].in_features)) for n in lora_roles(encoder)}
+
+
+def split_factor(name: str) -> tuple[str, str] | None:
+    """``(module, "A" | "B")`` of a LoRA factor's name; None for any other name."""
+    for suffix, which in ((LORA_A, "A"), (LORA_B, "B")):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], which
+    return None
+
+
+def factor_pairs(values: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The LoRA factors among ``values`` (a patch's ``values``) as module -> (A, B)."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in values.items():
+        split = split_factor(name)
+        if split is not None:
+            pairs.setdefault(split[0], {})[split[1]] = t
+    return {m: (f["A"], f["B"]) for m, f in pairs.items()}
+
+
+def targets_of(encoder: nn.Module, targets: list[str]) -> list[str]:
+    """The module names that PEFT-style ``targets`` (short names such as ``query``, or full module names) select,
+    among the encoder's LoRA sites; an unknown target is an error that lists the known ones."""
+    sites = lora_roles(encoder)
+    if not sites:
+        raise PatchKeysError(f"this encoder has no LoRA rules (LORA_RULES covers {sorted(LORA_RULES)})")
+    chosen: list[str] = []
+    for target in targets:
+        matched = [n for n in sites if n == target or n.endswith("." + target)]
+        if target == "output.dense":  # PEFT's suffix match would take the attention output too: the feed-forward's
+            matched = [n for n in matched if sites[n][0] == "f"]
+        if not matched:
+            raise PatchKeysError(
+                f"LoRA target {target!r} matches no linear layer; choose from {sorted(ROLE_TARGETS.values())}"
+            )
+        chosen += [n for n in matched if n not in chosen]
+    return [n for n in sites if n in chosen]
+
+
+def _add_low_rank(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a LoRA site: its output plus the low-rank product of its input."""
+    a, b = getattr(module, _FACTORS)
+    return output + (args[0] @ a.t()) @ b.t()
+
+
+@torch.no_grad()
+def apply_factors(encoder: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Give each LoRA site named in ``values`` (``<module>.lora_A`` / ``.lora_B``) its factors, as a hook that adds
+    ``(x A^T) B^T`` to the module's output (installed once per module; applying again replaces the factors)."""
+    modules = dict(encoder.named_modules())
+    for module_name, (a, b) in factor_pairs(values).items():
+        module = modules.get(module_name)
+        if not isinstance(module, nn.Linear):
+            raise PatchKeysError(f"the model has no linear layer {module_name!r} for LoRA factors")
+        like = module.weight
+        if not hasattr(module, _FACTORS):
+            module.register_forward_hook(_add_low_rank)
+        setattr(module, _FACTORS, (a.detach().to(like.device, like.dtype), b.detach().to(like.device, like.dtype)))

@@ -1,0 +1,68 @@
+"""Small ops of the packed model: training dropout (with a cheaper mask on the CPU) and each token's row of the bias
+banks (``token_biases``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def keep_mask(shape: Sequence[int], keep: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A bool tensor of ``shape`` whose elements are independently True with probability ``keep`` (to within
+    2^-32; ``bernoulli_``'s own is quantised to 2^-31).
+
+    Drawn from torch's generator (``torch.manual_seed`` governs it) 64 bits at a time: ``random_`` over the whole
+    int64 range, read as two uniform 32-bit integers, each compared with one threshold: on the CPU cheaper than
+    ``bernoulli_``, whose masks were a large share of a packed training update (docs/benchmarks/train_cost.md)."""
+    n = math.prod(shape)
+    ints = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-(2**63), None).view(torch.int32)
+    threshold = min(round(keep * 2**32), 2**32 - 1) - 2**31  # int32 is uniform over [-2^31, 2^31)
+    return (ints[:n] < threshold).view(tuple(shape))
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Training dropout at rate ``p`` (0: ``x`` itself): the same distribution as ``F.dropout``. On the CPU the mask
+    is ``keep_mask``'s; elsewhere it is ``F.dropout``'s (fused on CUDA)."""
+    if p <= 0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, training=True)
+    keep = 1.0 - p
+    return x * keep_mask(x.shape, keep, x.device).to(x.dtype).mul_(1.0 / keep)
+
+
+def token_biases(
+    banks: Mapping[str, torch.Tensor], slot: torch.Tensor, by_layer: bool
+) -> Callable[[str], torch.Tensor]:
+    """``bias(name)``: each token's row of bank ``name`` (``slot`` ``[N]`` gives the row), or the bank itself where
+    it has one row (added by broadcasting). ``by_layer``: the banks of a layer are gathered together, in one
+    concatenation and one gather, at the first one a layer asks for (a layer asks for its banks in turn, so each is
+    gathered once), and their gradients scatter back in one op too: a handful of launches a layer instead of two
+    for each bank. For a trainer's banks (a few rows each); a server's hold a row per slot, too many to concatenate
+    at every batch."""
+    current: dict[str, torch.Tensor] = {}
+
+    def group(name: str) -> list[str]:  # "3.qkv" -> every bank of layer 3; "emb_ln", "out" alone
+        prefix = name.split(".")[0] + "."
+        return [k for k in banks if k.startswith(prefix) and k != "pooler"] if "." in name else [name]
+
+    def bias(name: str) -> torch.Tensor:
+        bank = banks[name]
+        if bank.shape[0] == 1:
+            return bank
+        if not by_layer:  # (a trainer's bank may be a column view of its flat bank: gathered from a copy, it is
+            return bank.contiguous().index_select(0, slot)  # read in rows, not element by element)
+        if name not in current:
+            members = group(name)
+            current.clear()  # the layer before is done with its banks
+            if len(members) == 1:
+                current[name] = bank.index_select(0, slot)
+            else:
+                tokens = torch.cat([banks[k] for k in members], dim=1).index_select(0, slot)
+                current.update(zip(members, tokens.split([banks[k].shape[1] for k in members], dim=1), strict=True))
+        return current[name]
+
+    return bias
