@@ -1,5 +1,6 @@
-"""The shared library's commands: ``inspect`` (read a patch file) and the registry commands ``tasks``, ``register``
-and ``prune``; and the options every command that opens a registry shares."""
+"""The shared library's commands: ``inspect`` (read a patch file), the registry commands ``tasks``, ``register``
+and ``prune``, and ``import-peft`` / ``export-peft`` (PEFT adapters in and out); and the options every command that
+opens a registry shares."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def patch_summary(patch: Any) -> dict[str, Any]:
         "patch_type": m.patch_type,
         "n_bias_tensors": len(patch.biases),
         "n_scale_tensors": len(patch.scales),
+        "n_lora_tensors": len(patch.lora),
+        "lora_rank": patch.lora_rank,
         "base": {"name": m.base.name, "fingerprint": m.base.fingerprint},
         "bias_subset": m.bias_subset,
         "pooling": m.pooling,
@@ -172,7 +175,80 @@ def _prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_peft(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.peft_io import import_peft
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    encoder = load_encoder(args.model)
+    patch = import_peft(args.adapter, encoder, args.task, labels=labels, max_seq_length=args.max_seq_length)
+    if args.registry is not None:
+        from patchserve.patches.store import open_registry
+
+        registry = open_registry(args.registry, keep_versions=args.keep_versions)
+        info = registry.put(patch)
+        print(f"registered {info.task} v{info.version} ({info.patch_id}) from {args.adapter}")
+    if args.out or args.registry is None:
+        out = Path(args.out or f"{args.task}.safetensors")
+        out.write_bytes(patch.data)
+        print(f"wrote {out}: a {patch.meta.patch_type} patch of {patch.n_params} values ({patch.patch_id})")
+    return 0
+
+
+def _export_peft(args: argparse.Namespace) -> int:
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.format import Patch
+    from patchserve.patches.peft_io import export_peft
+
+    patch = Patch.read(args.patch)
+    out = export_peft(patch, args.dir, load_encoder(args.model))
+    print(f"wrote the PEFT adapter of {patch.meta.task} to {out} (load it with PeftModel.from_pretrained)")
+    return 0
+
+
+def _add_peft_commands(sub: argparse._SubParsersAction) -> None:
+    model_help = (
+        "the base encoder the adapter was trained on: 'default' (the packaged MiniLM), a local HF folder or a hub id"
+    )
+    p = sub.add_parser(
+        "import-peft",
+        help="turn a PEFT LoRA or IA3 adapter folder into a patch (a file, or registered with --registry)",
+        description="Read a Hugging Face PEFT adapter folder (adapter_config.json + adapter_model.safetensors, its "
+        "classifier in modules_to_save) trained on the same base encoder and write it as a lora or bitfit-ia3 patch. "
+        "What cannot be served exactly (DoRA, another base, unknown modules) is refused with the reason.",
+    )
+    p.add_argument("adapter", metavar="DIR", help="the PEFT adapter folder (what save_pretrained wrote)")
+    p.add_argument("--task", required=True, help="the task name the patch serves under")
+    p.add_argument(
+        "--labels",
+        help="the classifier's labels in order, comma-separated (default: LABEL_0, LABEL_1, ... as transformers "
+        "names them)",
+    )
+    p.add_argument("--out", help="write the patch here (default TASK.safetensors, unless --registry is given)")
+    p.add_argument("--registry", help="register the patch in this registry (disk:///path or redis://...) instead")
+    p.add_argument("--model", default="default", help=model_help)
+    p.add_argument("--max-seq-length", type=positive_int, default=128, help="truncate inputs to this many tokens")
+    add_retention_option(p)
+    p.set_defaults(func=_import_peft)
+
+    p = sub.add_parser(
+        "export-peft",
+        help="write a lora or bitfit-ia3 patch as a PEFT adapter folder",
+        description="Write a lora or bitfit-ia3 patch as a PEFT adapter that PeftModel.from_pretrained loads onto "
+        "the base model: BertForSequenceClassification for a pooler-pooled classifier or regressor, "
+        "BertForTokenClassification for a tagger, the bare encoder (head in patchserve_head.safetensors) for a "
+        "mean- or cls-pooled patch.",
+    )
+    p.add_argument("patch", metavar="PATCH", help="a .safetensors patch file")
+    p.add_argument("dir", metavar="DIR", help="the folder to write (created if missing)")
+    p.add_argument("--model", default="default", help=model_help)
+    p.set_defaults(func=_export_peft)
+
+
 def register_commands(sub: argparse._SubParsersAction) -> None:
+    _add_peft_commands(sub)
     p = sub.add_parser("inspect", help="print a patch file's metadata; exit 1 with the reason if it is invalid")
     p.add_argument("file", help="a .safetensors patch file")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -350,7 +350,7 @@ class Patch:
 
     # --- validation --------------------------------------------------------------------------------------
     def _check_tensors(self) -> None:
-        if not self.biases:
+        if not self.biases and self.meta.patch_type == PATCH_TYPE:
             raise PatchKeysError("patch has no bias tensors; it would not change the encoder")
         self._check_lora()
         scaled = self.meta.patch_type == IA3_PATCH_TYPE

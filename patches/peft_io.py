@@ -25,16 +25,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-from torch import nn
 
-from patchserve.patches.bitfit import base_biases, ia3_roles
+from patchserve.patches.bitfit import IA3_RULES, ia3_roles
 from patchserve.patches.encoder import Encoder
 from patchserve.patches.errors import PatchError
 from patchserve.patches.format import (
@@ -43,10 +43,11 @@ from patchserve.patches.format import (
     LORA_B,
     LORA_PATCH_TYPE,
     BaseRef,
+    BaseSpec,
     Patch,
     PatchMeta,
 )
-from patchserve.patches.lora import factor_pairs, lora_roles
+from patchserve.patches.lora import LORA_RULES, factor_pairs
 from patchserve.patches.validation import Label, strict_json
 
 CONFIG_FILE = "adapter_config.json"
@@ -58,11 +59,27 @@ _HEADS = ("classifier", "score")
 _KINDS = {"SEQ_CLS": "classification", "TOKEN_CLS": "token-classification"}
 
 
+_TOP = ("embeddings", "encoder", "pooler")  # the bare encoder's own attributes (anything else is a task model's)
+
+
 class PeftImportError(PatchError):
     """A PEFT adapter that cannot be turned into a patch (the message says why and what to do)."""
 
 
-def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+class Base(Protocol):
+    """What an import needs of the base encoder (an ``Encoder``, or a server front end's ``EncoderInfo``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def default_pooling(self) -> str: ...
+    @property
+    def spec(self) -> BaseSpec: ...
+
+
+def _read(folder: Path) -> tuple[bytes, bytes]:
     config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not config_path.is_file():
         raise PeftImportError(
@@ -81,11 +98,15 @@ def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     for path in (config_path, weights_path):
         if path.stat().st_size > MAX_ADAPTER_BYTES:
             raise PeftImportError(f"{path.name} is over {MAX_ADAPTER_BYTES} bytes: not an adapter of this encoder")
-    config = strict_json(config_path.read_bytes(), CONFIG_FILE, PeftImportError)
+    return config_path.read_bytes(), weights_path.read_bytes()
+
+
+def _parse(config_bytes: bytes, weights: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    config = strict_json(config_bytes, CONFIG_FILE, PeftImportError)
     if not isinstance(config, dict):
         raise PeftImportError(f"{CONFIG_FILE} must hold a JSON object")
     try:
-        tensors = st_load(weights_path.read_bytes())
+        tensors = st_load(weights)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise PeftImportError(f"{WEIGHTS_FILE} cannot be read ({exc}); copy the adapter again") from exc
     return config, {k: v.float() for k, v in tensors.items()}
@@ -114,33 +135,48 @@ def _refuse_unservable(config: dict[str, Any]) -> str:
     return str(peft_type)
 
 
-def _check_base(config: dict[str, Any], encoder: Encoder) -> None:
-    """Refuse an adapter trained on another base: by fingerprint where its base is a local folder, else by name."""
+def _check_base(config: dict[str, Any], encoder: Base, local: bool) -> None:
+    """Refuse an adapter trained on another base: by fingerprint where its base is a local folder here (``local``:
+    never for an upload, whose paths are not to be opened), by name where it is a hub id."""
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or not base:
         return  # not recorded: the shapes are still checked
     folder = Path(base)
-    if folder.is_dir():
+    if base.startswith(("/", ".", "~")) or "\\" in base:  # a path on the machine that trained it
+        if not (local and folder.is_dir()):
+            return  # cannot be checked here: the shapes are
         from patchserve.patches.encoder import load_encoder
 
         other = load_encoder(str(folder))
         if other.fingerprint != encoder.fingerprint:
             raise PeftImportError(
                 f"the adapter was trained on {base} ({other.fingerprint}), not on {encoder.name} "
-                f"({encoder.fingerprint}); import it with --encoder {base}"
+                f"({encoder.fingerprint}); import it with --model {base}"
             )
         return
     if base.rstrip("/").split("/")[-1].lower() != encoder.name.rstrip("/").split("/")[-1].lower():
         raise PeftImportError(
-            f"the adapter was trained on {base!r}, this encoder is {encoder.name!r}; import it with --encoder "
-            "pointing at that base model"
+            f"the adapter was trained on {base!r}, this encoder is {encoder.name!r}; import it with --model "
+            "pointing at that base model (and serve it with that model)"
         )
 
 
-def _encoder_key(key: str, prefix: str) -> str:
+def _encoder_key(key: str) -> str:
     """A state-dict key without PEFT's wrapper prefix and the task model's encoder attribute (``bert.``)."""
     key = key.removeprefix(_WRAPPED)
-    return key.removeprefix(prefix + ".") if prefix else key
+    first, _, rest = key.partition(".")
+    return rest if first not in _TOP and rest.split(".")[0] in _TOP else key
+
+
+def _roles(names: set[str], rules: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """(role, layer) of each of ``names`` that one of ``rules`` (role -> regex, group 1 the layer) matches."""
+    out: dict[str, tuple[str, int]] = {}
+    for name in names:
+        for role, rx in rules.items():
+            m = re.fullmatch(rx, name)
+            if m:
+                out[name] = (role, int(m.group(1)))
+    return out
 
 
 def _alpha(config: dict[str, Any], module: str) -> float:
@@ -155,7 +191,7 @@ _LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weigh
 _IA3_KEY = re.compile(r"(?P<module>.+)\.ia3_l(?:\.[^.]+)?")
 
 
-def _split(tensors: dict[str, torch.Tensor], prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(head tensors by ``weight``/``bias``, encoder tensors by their name in the bare encoder)."""
     head: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
@@ -166,7 +202,7 @@ def _split(tensors: dict[str, torch.Tensor], prefix: str) -> tuple[dict[str, tor
             if leaf in ("weight", "bias"):  # (PEFT also saves the wrapper's own copies: not the trained head)
                 head[leaf] = t
             continue
-        rest[_encoder_key(key, prefix).replace(".base_layer.", ".")] = t
+        rest[_encoder_key(key).replace(".base_layer.", ".")] = t
     return head, rest
 
 
@@ -192,10 +228,10 @@ def _lora_factors(config: dict[str, Any], tensors: dict[str, torch.Tensor], site
     return out
 
 
-def _ia3_scales(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+def _ia3_scales(tensors: dict[str, torch.Tensor], spec: BaseSpec) -> dict[str, torch.Tensor]:
     """PEFT's (IA)^3 vectors as this encoder's (IA)^3 scales (key, value, intermediate), folded where they fold."""
-    roles = lora_roles(model)  # linear module -> (role, layer)
-    site = {(r.role, r.layer): n for n, r in ia3_roles(model).items()}  # ("k" | "v" | "ff", layer) -> site
+    roles = _roles(set(spec.lora_shapes), LORA_RULES["bert"])  # linear module -> (role, layer)
+    site = {r: n for n, r in _roles(set(spec.scale_shapes), IA3_RULES["bert"]).items()}  # ("k"|"v"|"ff", layer) -> site
     into = {("q", False): "k", ("k", False): "k", ("v", False): "v", ("o", True): "v", ("f", True): "ff"}
     scales: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -216,24 +252,40 @@ def _ia3_scales(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
 
 def import_peft(
     folder: str | Path,
-    encoder: Encoder,
+    encoder: Base,
     task: str,
     *,
-    labels: list[Label] | None = None,
+    labels: Sequence[Label] | None = None,
     max_seq_length: int = 128,
 ) -> Patch:
     """The patch of a PEFT LoRA or (IA)^3 adapter folder trained on ``encoder`` (see the module's docstring)."""
-    config, tensors = _read(Path(folder))
+    config_bytes, weights = _read(Path(folder))
+    return import_peft_bytes(config_bytes, weights, encoder, task, labels=labels, max_seq_length=max_seq_length)
+
+
+def import_peft_bytes(
+    config_bytes: bytes,
+    weights: bytes,
+    encoder: Base,
+    task: str,
+    *,
+    labels: Sequence[Label] | None = None,
+    max_seq_length: int = 128,
+    local: bool = True,
+) -> Patch:
+    """``import_peft`` of an adapter's two files' bytes; ``local``: its base may be a folder on this machine (not for
+    uploads)."""
+    config, tensors = _parse(config_bytes, weights)
     peft_type = _refuse_unservable(config)
-    _check_base(config, encoder)
+    _check_base(config, encoder, local)
     kind = _KINDS.get(str(config.get("task_type")))
     if kind is None:
         raise PeftImportError(
             f"task_type {config.get('task_type')!r} has no task head; a patch needs one: train the adapter with "
             "task_type SEQ_CLS (BertForSequenceClassification) or TOKEN_CLS"
         )
-    model = encoder.model
-    head, rest = _split(tensors, str(getattr(type(model), "base_model_prefix", "")))
+    spec = encoder.spec
+    head, rest = _split(tensors)
     if set(head) != {"weight", "bias"}:
         raise PeftImportError("the adapter has no classifier weights: keep the classifier in modules_to_save")
     n_out = int(head["weight"].shape[0])
@@ -244,16 +296,14 @@ def import_peft(
     )
     if kind != "regression" and len(names) != n_out:
         raise PeftImportError(f"the classifier has {n_out} outputs but {len(names)} labels were given")
-    biases = base_biases(model)
-    given = {n: t for n, t in rest.items() if n.endswith(".bias")}
-    unknown = sorted(set(given) - set(biases))
+    biases = {n: t for n, t in rest.items() if n.endswith(".bias")}  # the others keep the base's values
+    unknown = sorted(set(biases) - set(spec.bias_shapes))
     if unknown:
         raise PeftImportError(f"the adapter sets biases this encoder does not have: {unknown[:3]}")
-    biases.update(given)
-    if kind != "token-classification" and "pooler.dense.bias" not in biases:
+    if kind != "token-classification" and "pooler.dense.bias" not in spec.bias_shapes:
         raise PeftImportError("a SEQ_CLS adapter pools with the encoder's pooler, which this encoder does not have")
-    lora = _lora_factors(config, rest, set(lora_roles(model))) if peft_type == "LORA" else {}
-    scales = _ia3_scales(rest, model) if peft_type == "IA3" else {}
+    lora = _lora_factors(config, rest, set(spec.lora_shapes)) if peft_type == "LORA" else {}
+    scales = _ia3_scales(rest, spec) if peft_type == "IA3" else {}
     recorded = ("r", "lora_alpha", "use_rslora", "target_modules", "bias", "peft_version", "base_model_name_or_path")
     meta = PatchMeta(
         task=task,
@@ -267,7 +317,7 @@ def import_peft(
         patch_type=LORA_PATCH_TYPE if peft_type == "LORA" else IA3_PATCH_TYPE,
     )
     patch = Patch(meta, biases, head["weight"], head["bias"], scales=scales, lora=lora)
-    patch.check_compatible(encoder.spec)
+    patch.check_compatible(spec)
     return patch
 
 
@@ -333,8 +383,7 @@ def export_peft(patch: Patch, folder: str | Path, encoder: Encoder) -> Path:
             tensors[f"{wrapped}{module}.ia3_l"] = scale.view(1, -1) if role.role == "ff" else scale.view(-1, 1)
             ranks[module] = 1
     modules = sorted(ranks)
-    values = base_biases(encoder.model) | patch.biases
-    for name, value in values.items():
+    for name, value in patch.biases.items():  # (the biases a patch does not set keep the base's values)
         module = name.removesuffix(".bias")
         tensors[wrapped + (f"{module}.base_layer.bias" if module in ranks else name)] = value
     head = {"weight": patch.head_weight, "bias": patch.head_bias}

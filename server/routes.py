@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, File, HTTPException, Request, Response, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -23,6 +23,8 @@ from patchserve.patches.api import (
 from patchserve.patches.cli import patch_summary
 from patchserve.patches.errors import PatchError, PatchServeError, PatchTooLargeError
 from patchserve.patches.format import Patch
+from patchserve.patches.peft_archive import AdapterTooLargeError, adapter_files, is_archive
+from patchserve.patches.peft_io import import_peft_bytes
 from patchserve.server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
 from patchserve.server.inference import Counted, name_task, run_rows
 from patchserve.server.openapi import TaskName, errors
@@ -57,15 +59,36 @@ async def predict(
 async def register(
     svc: ServiceDep,
     _: AdminAuth,
-    patch: UploadFile = File(description="A patch file (.safetensors) made by `patchserve train`."),  # noqa: B008
+    patch: UploadFile = File(  # noqa: B008
+        description="A patch file (.safetensors) made by `patchserve train`, or a PEFT LoRA or IA3 adapter folder "
+        "packed as .zip or .tar(.gz) (adapter_config.json + adapter_model.safetensors, its classifier in "
+        "modules_to_save), as `patchserve import-peft` reads it."
+    ),
+    task: str | None = Form(None, description="A PEFT adapter's task name (required for an adapter archive)."),
+    labels: str | None = Form(
+        None, description="A PEFT adapter's labels in head order, comma-separated (default LABEL_0, LABEL_1, ...)."
+    ),
 ) -> Any:
-    """Register a patch as the new current version of its task (the task name comes from the patch)."""
+    """Register a patch as the new current version of its task (the task name comes from the patch), or a PEFT
+    adapter archive as task ``task``. A refused upload changes nothing."""
     limit = svc.settings.max_patch_bytes
     data = await patch.read(limit + 1)
+
+    def parse() -> Patch:
+        if not is_archive(data):
+            return Patch.from_bytes(data, max_bytes=limit)
+        if len(data) > limit:
+            raise PatchTooLargeError(f"the adapter archive is over the {limit}-byte limit")
+        if not task:
+            raise PatchError("a PEFT adapter archive needs the form field 'task': the name to serve it under")
+        config, weights = adapter_files(data, limit=limit)
+        names = [x.strip() for x in labels.split(",")] if labels else None
+        return import_peft_bytes(config, weights, svc.encoder, task, labels=names, local=False)
+
     try:
-        parsed = await run_in_threadpool(Patch.from_bytes, data, max_bytes=limit)  # CPU work, off the event loop
+        parsed = await run_in_threadpool(parse)  # CPU work, off the event loop
         info = await run_in_threadpool(svc.catalog.register, parsed)
-    except PatchTooLargeError as exc:
+    except (PatchTooLargeError, AdapterTooLargeError) as exc:
         raise HTTPException(413, str(exc)) from exc
     except PatchError as exc:
         raise HTTPException(422, f"invalid patch: {exc}") from exc

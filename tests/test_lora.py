@@ -1,0 +1,155 @@
+"""The lora patch kind: its format, and every row of a batch mixing bitfit, bitfit-ia3 and lora patches served as the
+plain Hugging Face model with that task's values applied, on both engines (float32, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from patchserve.patches.errors import PatchKeysError, PatchMetadataError, PatchShapeError
+from patchserve.patches.format import LORA_A, LORA_B, Patch
+from patchserve.patches.lora import targets_of
+from patchserve.patches.packed import PackedBert
+from patchserve.patches.packed_layout import add_exact_attention, batch_views, fill_layout, layout_size
+from patchserve.patches.packed_lora import LowRank
+from patchserve.server.engine.runner import Runner
+from tests.helpers import make_patch
+from tests.test_engine import SENTENCES, _reference, _rows
+
+ALL = ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense")
+
+
+@pytest.fixture(scope="module")
+def mixed_patches(tiny_encoder):
+    return [
+        make_patch(tiny_encoder, "plain", seed=1),
+        make_patch(tiny_encoder, "qv", seed=2, lora_rank=4, pooling="cls", labels=["a", "b", "c"]),
+        make_patch(tiny_encoder, "every", seed=3, lora_rank=2, lora_targets=ALL, kind="regression", pooling="pooler"),
+        make_patch(tiny_encoder, "ia3", seed=4, ia3_scale=0.3),
+        make_patch(
+            tiny_encoder, "tags", seed=5, lora_rank=3, kind="token-classification", lora_targets=("key", "output.dense")
+        ),
+    ]
+
+
+def _mixed(encoder, patches, n=25, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        rows += _rows(encoder, patches[i % len(patches)], [rng.choice(SENTENCES)])
+    rng.shuffle(rows)
+    return rows
+
+
+def test_lora_changes_the_outputs(tiny_encoder, mixed_patches):
+    """The reference applies the factors: without them the same patch gives other outputs (so equality below is not
+    two paths ignoring LoRA alike)."""
+    patch = mixed_patches[2]
+    row = _rows(tiny_encoder, patch, ["the movie was good"])[0]
+    stripped = replace(patch, lora={}, meta=replace(patch.meta, patch_type="bitfit"))
+    gap = (_reference(tiny_encoder.model, patch, row) - _reference(tiny_encoder.model, stripped, row)).abs().max()
+    assert gap > 1e-2
+
+
+@pytest.mark.parametrize("engine", ["packed", "slotted"])
+@pytest.mark.parametrize("simplify", [True, False], ids=["folds", "no-folds"])
+def test_mixed_batch_of_lora_ia3_and_bitfit_rows(tiny_bert_dir, tiny_encoder, mixed_patches, engine, simplify):
+    from patchserve.patches.encoder import load_encoder
+
+    folds = {"drop_key_bias": simplify, "fold_value_bias": simplify}
+    if engine == "packed":
+        folds["fold_ln_bias"] = simplify
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=8, engine=engine, **folds)
+    rows = _mixed(tiny_encoder, mixed_patches)
+    for row, out in zip(rows, runner.run(rows), strict=True):
+        torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
+
+
+def test_bitfit_server_holds_no_lora_until_a_lora_patch(tiny_encoder, mixed_patches):
+    packed = PackedBert(copy.deepcopy(tiny_encoder.model), 4)
+    packed.write_slots([0, 1], [mixed_patches[0].values, mixed_patches[3].values])
+    assert packed.lora is None
+    generation = packed.generation
+    packed.write_slots([2], [mixed_patches[1].values])
+    assert packed.lora is not None and packed.lora.resident == 1 and packed.generation > generation
+    packed.write_slots([2], [mixed_patches[0].values])  # the slot reused by a BitFit task: its LoRA row is freed
+    assert packed.lora.resident == 0 and int(packed.lora.rows[2]) == 0
+
+
+def test_slots_keep_their_factors_when_the_bank_grows(tiny_bert_dir, tiny_encoder, mixed_patches):
+    """A larger rank, a new site and more rows than the bank had reallocate it; the tasks loaded before still serve
+    exactly."""
+    from patchserve.patches.encoder import load_encoder
+
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=16, engine="packed")
+    first = _rows(tiny_encoder, mixed_patches[1], ["what a boring plot"])
+    runner.run(first)
+    more = [
+        make_patch(tiny_encoder, f"t{i}", seed=10 + i, lora_rank=1 + i, lora_targets=ALL[i % 6 :]) for i in range(6)
+    ]
+    rows = first + [r for p in more for r in _rows(tiny_encoder, p, ["who is the actor"])]
+    for row, out in zip(rows, runner.run(rows), strict=True):
+        torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
+
+
+def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
+    """The per-token gather (flash attention and CUDA graphs use it) computes what the per-row form does."""
+    packed = PackedBert(copy.deepcopy(tiny_encoder.model), 6)
+    packed.write_slots(list(range(5)), [p.values for p in mixed_patches])
+    rows = _mixed(tiny_encoder, mixed_patches, n=8, seed=3)
+    ids, types = [r.input_ids for r in rows], [r.token_type_ids for r in rows]
+    slots = [mixed_patches.index(r.patch) for r in rows]
+    n, r = sum(map(len, ids)), len(rows)
+    flat = torch.empty(layout_size(n, r), dtype=torch.int32)
+    fill_layout(flat.numpy(), ids, types, slots, [0] * r, n, r, 5)
+    batch = batch_views(flat, n, r, max(map(len, ids)))
+    add_exact_attention(batch, [len(x) for x in ids])
+    assert packed.lora is not None
+    per_row = LowRank(packed.lora.factors, batch)
+    per_token = LowRank(packed.lora.factors, replace(batch, pidx=None, key_mask=None))
+    assert per_row.per_row and not per_token.per_row
+    x = torch.randn(n, packed.hidden)
+    for key in packed.lora.factors.a:
+        zero = torch.zeros(n, packed.lora.factors.b[key].shape[1])
+        width = packed.lora.factors.a[key].shape[2]
+        xi = x if width == packed.hidden else torch.randn(n, width)
+        torch.testing.assert_close(per_token.add(key, xi, zero), per_row.add(key, xi, zero), rtol=0, atol=1e-5)
+
+
+def test_format_round_trip_and_summary(tiny_encoder, mixed_patches):
+    from patchserve.patches.cli import patch_summary
+
+    patch = mixed_patches[2]
+    again = Patch.from_bytes(patch.data)
+    assert again.patch_id == patch.patch_id and again.lora.keys() == patch.lora.keys()
+    assert again.lora_rank == 2 and len(again.lora) == 2 * 6 * len(tiny_encoder.model.encoder.layer)
+    again.check_compatible(tiny_encoder.spec)
+    info = patch_summary(again)
+    assert info["patch_type"] == "lora" and info["lora_rank"] == 2 and info["n_lora_tensors"] == len(again.lora)
+
+
+def test_malformed_lora_patches_are_refused(tiny_encoder, mixed_patches):
+    patch = mixed_patches[1]
+    module = targets_of(tiny_encoder.model, ["query"])[0]
+    a, b = patch.lora[module + LORA_A], patch.lora[module + LORA_B]
+    lone = {k: v for k, v in patch.lora.items() if k != module + LORA_B}
+    with pytest.raises(PatchKeysError, match=r"no \.lora_B pair"):
+        replace(patch, lora=lone)
+    with pytest.raises(PatchShapeError, match="one rank"):
+        replace(patch, lora={**patch.lora, module + LORA_B: b[:, :-1]})
+    with pytest.raises(PatchKeysError, match=r"needs 'lora\."):
+        replace(patch, lora={})
+    with pytest.raises(PatchKeysError, match=r"has no 'lora\."):
+        replace(patch, meta=replace(patch.meta, patch_type="bitfit"))
+    wide = replace(patch, lora={**patch.lora, module + LORA_A: torch.zeros(a.shape[0], a.shape[1] + 1)})
+    with pytest.raises(PatchShapeError, match="this encoder needs"):
+        wide.check_compatible(tiny_encoder.spec)
+    pooler = {"pooler.dense" + LORA_A: a, "pooler.dense" + LORA_B: b}
+    with pytest.raises(PatchKeysError, match="not a linear layer this encoder serves LoRA on"):
+        replace(patch, lora={**patch.lora, **pooler}).check_compatible(tiny_encoder.spec)
+    with pytest.raises(PatchMetadataError, match="not supported"):
+        Patch.from_bytes(patch.data.replace(b'\\"patch_type\\":\\"lora\\"', b'\\"patch_type\\":\\"lorx\\"'))
