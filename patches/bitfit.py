@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from patchserve.patches.errors import EncoderError, PatchKeysError
-from patchserve.patches.format import IA3_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
-from patchserve.patches.lora import apply_factors, split_factor
+from patchserve.patches.format import IA3_PATCH_TYPE, LORA_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
+from patchserve.patches.lora import applied_factors, apply_factors, split_factor
 
 _L = r"encoder\.layer\.(\d+)\."
 _BERT_ROLES = {
@@ -200,7 +200,7 @@ def target_names(encoder: nn.Module, subset: str) -> list[str]:
 
 def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: Iterable[str] | None = None) -> Patch:
     """Build a patch from a trained model: the current values of its target biases (and, for a ``bitfit-ia3``
-    ``meta.patch_type``, of every (IA)^3 scale) plus the head.
+    ``meta.patch_type``, of every (IA)^3 scale; for a ``lora`` one, the LoRA factors applied to it) plus the head.
 
     ``targets`` defaults to the names of ``meta.bias_subset``.
     """
@@ -211,6 +211,7 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
     if missing:
         raise PatchKeysError(f"the model has no bias parameters {missing[:5]}")
     scales: Mapping[str, torch.Tensor] = ia3_values(encoder) if meta.patch_type == IA3_PATCH_TYPE else {}
+    lora = applied_factors(encoder) if meta.patch_type == LORA_PATCH_TYPE else {}
 
     def value(p: torch.Tensor) -> torch.Tensor:
         return p.detach().to("cpu", torch.float32).clone()
@@ -221,6 +222,7 @@ def extract_patch(model: nn.Module, head: nn.Linear, meta: PatchMeta, targets: I
         head_weight=value(head.weight),
         head_bias=value(head.bias),
         scales={n: value(p) for n, p in scales.items()},
+        lora=lora,
     )
 
 

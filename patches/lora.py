@@ -12,8 +12,10 @@ adds the low-rank product to its output; the packed engine gathers them per row 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +36,8 @@ _BERT_LORA = {
 #: model_type -> LoRA role -> regex over the encoder's module names (group 1: the layer). Roles: q, k, v the attention
 #: projections, o the attention output, i the feed-forward intermediate, f the feed-forward output.
 LORA_RULES: dict[str, dict[str, str]] = {"bert": _BERT_LORA, "roberta": _BERT_LORA, "xlm-roberta": _BERT_LORA}
-#: PEFT's short target names (``target_modules``) for each role, as PEFT matches them (a name's suffix)
+#: PEFT's short target names (``target_modules``) for each role, as PEFT matches them (a name's suffix; the choices of
+#: ``TrainConfig.lora_targets``)
 ROLE_TARGETS = {
     "q": "query",
     "k": "key",
@@ -43,8 +46,6 @@ ROLE_TARGETS = {
     "i": "intermediate.dense",
     "f": "output.dense",
 }
-#: what ``--lora-targets`` takes when none are given: PEFT's default for BERT (query and value)
-DEFAULT_TARGETS = ("query", "value")
 
 _FACTORS = "lora_factors"
 
@@ -127,3 +128,40 @@ def apply_factors(encoder: nn.Module, values: Mapping[str, torch.Tensor]) -> Non
         if not hasattr(module, _FACTORS):
             module.register_forward_hook(_add_low_rank)
         setattr(module, _FACTORS, (a.detach().to(like.device, like.dtype), b.detach().to(like.device, like.dtype)))
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a training run's LoRA is: its modules (names), rank and alpha (the update is scaled by alpha / rank)."""
+
+    modules: tuple[str, ...]
+    rank: int
+    alpha: float
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def init_factors(encoder: nn.Module, spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """A run's starting factors, as PEFT starts them: A Kaiming-uniform (bound 1/sqrt(in), from torch's generator),
+    B zero (so the run starts at the base model)."""
+    shapes = lora_shapes(encoder)
+    out: dict[str, torch.Tensor] = {}
+    for module in spec.modules:
+        out_f, in_f = shapes[module]
+        bound = 1.0 / math.sqrt(in_f)
+        out[module + LORA_A] = torch.empty(spec.rank, in_f).uniform_(-bound, bound)
+        out[module + LORA_B] = torch.zeros(out_f, spec.rank)
+    return out
+
+
+def applied_factors(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA factors ``apply_factors`` gave a plain model's modules, by factor name (float32, on the CPU)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in encoder.named_modules():
+        factors = getattr(module, _FACTORS, None)
+        if factors is not None:
+            out[name + LORA_A] = factors[0].detach().to("cpu", torch.float32).clone()
+            out[name + LORA_B] = factors[1].detach().to("cpu", torch.float32).clone()
+    return out

@@ -204,3 +204,25 @@ class LoraBank:
     def bytes_per_row(self) -> int:
         """Device bytes one LoRA task's factors take."""
         return sum(t[0].numel() * t.element_size() for t in [*self.factors.a.values(), *self.factors.b.values()])
+
+
+def site_factors(packed: PackedBert, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LoraFactors:
+    """A trainer's factors by site (differentiable): ``pairs`` maps a module to its runs' A ``[K, r, in]`` and B
+    ``[K, out, r]`` (one rank); the parts of a site without factors are zero blocks."""
+    sites = site_map(packed)
+    by_site: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module, ab in pairs.items():
+        i, site, part = sites[module]
+        by_site.setdefault(f"{i}.{site}", {})[part] = ab
+    factors = LoraFactors()
+    for key, parts in by_site.items():
+        n = PARTS[key.split(".")[1]]
+        a0, b0 = next(iter(parts.values()))
+        k, rank, d_in, d_out = a0.shape[0], a0.shape[1], a0.shape[2], b0.shape[1]
+        zeros_a, zeros_b = a0.new_zeros(k, rank, d_in), b0.new_zeros(k, d_out, rank)
+        factors.a[key] = torch.cat([parts[p][0] if p in parts else zeros_a for p in range(n)], dim=1)
+        rows = [
+            torch.cat([parts[p][1] if p in parts and q == p else zeros_b for q in range(n)], dim=2) for p in range(n)
+        ]
+        factors.b[key] = torch.cat(rows, dim=1)  # block-diagonal over the parts
+    return factors

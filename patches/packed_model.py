@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -33,9 +34,12 @@ import torch
 from torch import nn
 
 from patchserve.patches.bitfit import apply_values
+from patchserve.patches.format import LORA_B
+from patchserve.patches.lora import LoraSpec, factor_pairs, lora_shapes
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
 from patchserve.patches.packed_layout import add_exact_attention, to_device
+from patchserve.patches.packed_lora import LoraFactors, site_factors
 
 PRECISIONS = ("auto", "float32")  # patches.train_config.TrainConfig.precision
 
@@ -63,7 +67,9 @@ class PackedTaskModel(nn.Module):
 
     ``encoder`` is a BertModel (``patchserve.patches.packed.packed_unsupported`` says which are not); ``heads`` holds
     each run's initial head (its count is the number of runs); ``trained`` names the biases (and (IA)^3 scales, for a
-    ``bitfit-ia3`` patch) every run trains, initialised at the encoder's values. ``run`` gives each row's run
+    ``bitfit-ia3`` patch) every run trains, initialised at the encoder's values; ``lora`` adds LoRA factors on its
+    modules (a ``lora`` patch), each run's starting at ``lora_start[run]`` (B holds them unscaled: the forward and
+    ``values`` scale it by the spec's alpha / rank). ``run`` gives each row's run
     (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other models
     (default: one of its own). ``half_dtype``: encode under autocast to this type with flash attention (CUDA only:
     ``training_dtype``), else in float32 with the exact attention."""
@@ -80,6 +86,8 @@ class PackedTaskModel(nn.Module):
         attention_dropout: float = 0.0,
         packed: PackedBert | None = None,
         half_dtype: torch.dtype | None = None,
+        lora: LoraSpec | None = None,
+        lora_start: Sequence[dict[str, torch.Tensor]] = (),
     ) -> None:
         super().__init__()
         if not heads:
@@ -98,13 +106,26 @@ class PackedTaskModel(nn.Module):
         self.trained = list(trained)
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
         device = base.device
-        starts = list(itertools.accumulate((base.base[n].numel() for n in self.trained), initial=0))
-        self.columns = {n: (a, b) for n, a, b in zip(self.trained, starts, starts[1:], strict=False)}  # name -> span
-        start = torch.cat([base.base[n].to(device).flatten() for n in self.trained]) if self.trained else None
-        width = starts[-1]
-        self.bank = nn.Parameter(  # [K, V]: run r's trained values, at the encoder's own to begin with
-            torch.zeros(len(heads), width, device=device) if start is None else start.expand(len(heads), -1).clone()
-        )
+        self.lora = lora
+        shapes = lora_shapes(encoder)
+        self.shapes = {n: tuple(base.base[n].shape) for n in self.trained}
+        if lora is not None:  # the factors' columns follow the biases'
+            if len(lora_start) != len(heads):
+                raise ValueError("LoRA training needs each run's starting factors (lora_start)")
+            for module in lora.modules:
+                out_f, in_f = shapes[module]
+                self.shapes |= {f"{module}.lora_A": (lora.rank, in_f), f"{module}.lora_B": (out_f, lora.rank)}
+        names = list(self.shapes)
+        starts = list(itertools.accumulate((math.prod(self.shapes[n]) for n in names), initial=0))
+        self.columns = {n: (a, b) for n, a, b in zip(names, starts, starts[1:], strict=False)}  # name -> span
+        starting: Sequence[dict[str, torch.Tensor]] = lora_start if lora else [{}] * len(heads)
+        rows = [  # each run's row: its starting factors, and the encoder's values
+            torch.cat([start.get(n, base.base.get(n, torch.zeros(0))).to(device).flatten() for n in names])
+            if names
+            else torch.zeros(0, device=device)
+            for start in starting
+        ]
+        self.bank = nn.Parameter(torch.stack(rows))  # [K, V]: run r's trained values, at the encoder's to begin with
         self.head_weight = nn.Parameter(torch.stack([h.weight.detach() for h in heads]).to(device))  # [K, C, H]
         self.head_bias = nn.Parameter(torch.stack([h.bias.detach() for h in heads]).to(device))  # [K, C]
 
@@ -121,16 +142,34 @@ class PackedTaskModel(nn.Module):
         return int(self.bank.shape[0])
 
     def values(self, run: int) -> dict[str, torch.Tensor]:
-        """One run's trained values by name (views of its bank row)."""
-        return {n: self.bank[run, a:b] for n, (a, b) in self.columns.items()}
+        """One run's trained values by name (views of its bank row; LoRA factors in their shapes, B scaled)."""
+        out = {n: self.bank[run, a:b].view(self.shapes[n]) for n, (a, b) in self.columns.items()}
+        if self.lora is not None:
+            out |= {n: t * self.lora.scaling for n, t in out.items() if n.endswith(LORA_B)}
+        return out
 
-    def banks(self) -> dict[str, torch.Tensor]:
-        """Every run's bias banks ``[K, D]``, folded from the flat bank's columns (differentiable)."""
+    def _columns(self) -> dict[str, torch.Tensor]:
         # one split, not a slice per name: its backward writes every column's gradient in one concatenation, where
         # a slice each would make a zero-filled bank-sized gradient per name and sum them
         widths = [b - a for a, b in self.columns.values()]
-        columns = dict(zip(self.columns, self.bank.split(widths, dim=1), strict=True)) if widths else {}
-        vals = self.packed.bank_columns(columns, self.runs)
+        return dict(zip(self.columns, self.bank.split(widths, dim=1), strict=True)) if widths else {}
+
+    def lora_factors(self, columns: dict[str, torch.Tensor] | None = None) -> LoraFactors | None:
+        """Every run's LoRA factors by site (differentiable), or None without LoRA."""
+        if self.lora is None:
+            return None
+        columns = self._columns() if columns is None else columns
+        k, scaling = self.runs, self.lora.scaling
+        pairs = {
+            m: (a.view(k, *self.shapes[m + ".lora_A"]), b.view(k, *self.shapes[m + LORA_B]) * scaling)
+            for m, (a, b) in factor_pairs(columns).items()
+        }
+        return site_factors(self.packed, pairs)
+
+    def banks(self) -> dict[str, torch.Tensor]:
+        """Every run's bias banks ``[K, D]``, folded from the flat bank's columns (differentiable)."""
+        columns = self._columns()
+        vals = self.packed.bank_columns({n: c for n, c in columns.items() if n in self.packed.base}, self.runs)
         if self.pooling != "pooler":  # no row is pooled by the pooler: skip its product
             vals.pop("pooler", None)
         return vals
@@ -203,11 +242,12 @@ class PackedTaskModel(nn.Module):
             return out.view(n_rows, width, -1)
         return self.packed.pool(x, batch, heads, banks)[:, self.packed.hidden :]
 
-    def joint_key(self) -> tuple[int, float, float, bool, bool, torch.dtype | None]:
+    def joint_key(self) -> tuple[Any, ...]:
         """Models with equal keys encode their rows together (``joint_forward``): the same frozen weights, dropout
         rates, mode and precision, and alike in training (IA)^3 scales or not (their banks have the same keys)."""
         scales = not self.packed.scale_names.isdisjoint(self.trained)
-        return id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, scales, self.half_dtype
+        key = id(self.packed), self.hidden_dropout, self.attention_dropout, self.training, scales, self.half_dtype
+        return (*key, self.lora)
 
     @torch.no_grad()
     def task_model(self, run: int) -> TaskModel:
@@ -245,6 +285,8 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
     packed_bert = first.packed
     packs = [part[0].pack(*part[1:]) for part in parts]
     all_banks = [model.banks() for model, *_ in parts]
+    all_lora = [model.lora_factors() for model, *_ in parts]
+    lora = all_lora[0]
     if len(parts) == 1:
         joint, lengths = packs[0]
         banks = all_banks[0]
@@ -267,6 +309,11 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
         )
         # the encoder's banks only (the pooler's is each model's own, used by its pooling below)
         banks = {k: torch.cat([b[k] for b in all_banks]) for k in all_banks[0] if k != "pooler"}
+        if lora is not None:  # (equal joint keys: every model has the same LoRA sites)
+            lora = LoraFactors(
+                a={k: torch.cat([f.a[k] for f in all_lora if f is not None]) for k in lora.a},
+                b={k: torch.cat([f.b[k] for f in all_lora if f is not None]) for k in lora.b},
+            )
     if first.half_dtype is None:
         add_exact_attention(joint, lengths)
     # the encoder under autocast (pooling and the heads below stay float32, as encode's output is)
@@ -281,6 +328,7 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
             # a GPU launches a handful of kernels a layer instead of two a bank; on the CPU, where launches cost
             # nothing, the layer's concatenated gradient was an extra copy (3 runs: 1.07x the time, 2 CPU cores)
             gather_by_layer=joint.ids.is_cuda,
+            lora=lora,
         )
     out, start = [], 0
     for (model, ids, *_), (b, row_lengths), model_banks in zip(parts, packs, all_banks, strict=True):

@@ -22,7 +22,8 @@ from patchserve.patches.format import (
     Patch,
     PatchMeta,
 )
-from patchserve.patches.lora import DEFAULT_TARGETS, lora_shapes, targets_of
+from patchserve.patches.lora import lora_shapes, targets_of
+from patchserve.patches.train_config import DEFAULT_TARGETS
 from patchserve.patches.validation import Label
 
 DEFAULT_LABELS: dict[str, list[Label]] = {

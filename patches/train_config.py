@@ -51,6 +51,9 @@ Metric = Literal["accuracy", "macro_f1", "spearman", "pearson", "token_accuracy"
 Kind = Literal["classification", "regression", "token-classification"]  # patches.format.KINDS
 BiasSubset = Literal["all", "query-intermediate"]  # patches.bitfit.BIAS_SUBSETS
 Pooling = Literal["mean", "cls", "pooler"]  # patches.format.POOLINGS
+# the linear layers a lora patch may update, as PEFT names them (patches.lora.ROLE_TARGETS), and PEFT's default for BERT
+LoraTarget = Literal["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
+DEFAULT_TARGETS = ("query", "value")
 ANY_VALUE = object()
 # Options earlier releases took and this one does not (docs/experiments.md says why), each with its "off" value: a
 # job an earlier release queued holds every option, so these are dropped at that value (ANY_VALUE: whatever it is,
@@ -84,6 +87,21 @@ class TrainConfig:
         "none",
         "What trains besides the biases: none (a bitfit patch), or ia3: (IA)^3 scales on every layer's keys, values "
         "and feed-forward intermediate (a bitfit-ia3 patch; BERT encoders), served in the same mixed batches.",
+    )
+    lora_rank: Annotated[int, Field(ge=1, le=256)] | None = _option(
+        None,
+        "Train LoRA of this rank too: low-rank updates of the --lora-targets layers besides every bias (a lora "
+        "patch; BERT encoders), served in the same mixed batches. Default: none (a bitfit patch).",
+        metavar="R",
+    )
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=6)] = _option(
+        lambda: list(DEFAULT_TARGETS),
+        "With --lora-rank: the linear layers of every encoder layer that LoRA updates, as PEFT names them. "
+        f"Default: {' '.join(DEFAULT_TARGETS)}.",
+        metavar="MODULE",
+    )
+    lora_alpha: Annotated[float, Field(gt=0, le=4096)] = _option(
+        8.0, "With --lora-rank: LoRA's alpha; the update is scaled by alpha / rank (as PEFT's default)."
     )
     pooling: Pooling | None = _option(
         None, "How a row becomes one vector for the head. Default: the encoder's (mean for sentence encoders)."
@@ -175,6 +193,8 @@ class TrainConfig:
             (self.metric is None or self.kind is None or self.metric in SELECTION_METRICS[self.kind], _misfit(self)),
             (self.max_runs <= MAX_RUNS, f"restarts x learning rates is {self.max_runs}, over the limit of {MAX_RUNS}"),
             (not (self.full and self.scales != "none"), "full fine-tuning trains every weight; drop scales or full"),
+            (not (self.full and self.lora_rank), "full fine-tuning trains every weight; drop lora_rank or full"),
+            (not (self.lora_rank and self.scales != "none"), "a patch is lora or (IA)^3, not both: drop scales"),
         ]
         for ok, msg in checks:
             if not ok:

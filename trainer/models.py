@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from patchserve.patches.bitfit import bias_parameters, trained_names
+from patchserve.patches.lora import LoraSpec, targets_of
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import PackedBert
 from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_dtype
@@ -88,6 +89,13 @@ def _lengths(batch: Batch) -> list[int] | None:
     return None if lengths is None else lengths.tolist()
 
 
+def lora_spec(encoder: nn.Module, config: TrainConfig) -> LoraSpec | None:
+    """The LoRA a config trains on ``encoder`` (None: none)."""
+    if not config.lora_rank:
+        return None
+    return LoraSpec(tuple(targets_of(encoder, list(config.lora_targets))), config.lora_rank, config.lora_alpha)
+
+
 def set_dropout(module: nn.Module, rate: float) -> None:
     """Every dropout in ``module`` (BERT's attention reads its rate from its ``nn.Dropout`` too) drops ``rate``."""
     for m in module.modules():
@@ -97,8 +105,9 @@ def set_dropout(module: nn.Module, rate: float) -> None:
 
 class PackedRuns(RunModel):
     """K runs of one task in one ``PackedTaskModel`` over the frozen ``base`` (``packed``: a ``training_bert`` shared
-    with other jobs' models, so that their rows encode together), each starting from its own head of ``heads``;
-    the config's biases (and scales) train, at the config's dropout (None: the encoder's own rates)."""
+    with other jobs' models, so that their rows encode together), each starting from its own head of ``heads`` (and
+    LoRA factors of ``lora_start``); the config's biases (and scales, or LoRA) train, at the config's dropout (None:
+    the encoder's own rates)."""
 
     model: PackedTaskModel
 
@@ -110,6 +119,7 @@ class PackedRuns(RunModel):
         pooling: str,
         config: TrainConfig,
         packed: PackedBert | None = None,
+        lora_start: Sequence[dict[str, torch.Tensor]] = (),
     ) -> None:
         cfg: Any = getattr(base, "config", None)
         self.model = PackedTaskModel(
@@ -122,6 +132,8 @@ class PackedRuns(RunModel):
             attention_dropout=config.dropout if config.dropout is not None else float(cfg.attention_probs_dropout_prob),
             packed=packed,
             half_dtype=training_dtype(next(base.parameters()).device, config.precision),
+            lora=lora_spec(base, config),
+            lora_start=lora_start,
         )
         self.kind, self.dropout = kind, config.dropout
         self.device = self.model.packed.device

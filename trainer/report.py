@@ -29,7 +29,7 @@ from patchserve.patches.bitfit import (
 from patchserve.patches.data import Dataset
 from patchserve.patches.encoder import Encoder
 from patchserve.patches.errors import EncoderError
-from patchserve.patches.format import BaseRef, Patch, PatchMeta
+from patchserve.patches.format import LORA_PATCH_TYPE, BaseRef, Patch, PatchMeta
 from patchserve.patches.model import TaskModel
 from patchserve.patches.validation import Label
 from patchserve.trainer.selection import Plan
@@ -120,7 +120,7 @@ def patch_of(job: Job, report: dict[str, Any], model: TaskModel, averaged: bool)
         labels=list(job.labels) if job.kind != "regression" else [],
         base=BaseRef(encoder.name, encoder.fingerprint),
         bias_subset=config.bias_subset,
-        patch_type=SCALES[config.scales],
+        patch_type=LORA_PATCH_TYPE if config.lora_rank else SCALES[config.scales],
         pooling=job.pooling,
         max_seq_length=job.max_len,
         text_pair=job.train.is_pair,

@@ -25,6 +25,7 @@ from torch import nn
 from patchserve.patches.data import Dataset
 from patchserve.patches.encoder import Encoder, resolve_device
 from patchserve.patches.format import Patch
+from patchserve.patches.lora import init_factors
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import PackedBert, packed_unsupported
 from patchserve.patches.packed_model import training_dtype
@@ -33,7 +34,7 @@ from patchserve.trainer import report, selection
 from patchserve.trainer.evaluation import evaluate_runs, label_vectors
 from patchserve.trainer.features import Features, featurize
 from patchserve.trainer.joint import JointTrainer
-from patchserve.trainer.models import PackedRuns, PaddedRun, RunModel
+from patchserve.trainer.models import PackedRuns, PaddedRun, RunModel, lora_spec
 from patchserve.trainer.progress import ProgressFn, StopFn, TrainingStopped, never
 from patchserve.trainer.runs import RunGroup, TrainingContext
 
@@ -83,9 +84,10 @@ class PatchTraining:
         if packed and unsupported:
             raise ValueError(f"packed training is not possible: {unsupported}")
         self.packed = unsupported is None if packed is None else packed
-        if config.scales == "ia3" and not self.packed:
+        if (config.scales == "ia3" or config.lora_rank) and not self.packed:
             why = unsupported or "packed=False"
-            raise ValueError(f"(IA)^3 scales train on the packed model, which is off here ({why}); use other scales")
+            what = "LoRA" if config.lora_rank else "(IA)^3 scales"
+            raise ValueError(f"{what} train(s) on the packed model, which is off here ({why}); train a bitfit patch")
         self.plan = selection.plan(config, kind, len(train), len(dev))
         self.config = self.plan.config
         self.encoder, self.pooling = encoder, pooling
@@ -150,8 +152,9 @@ class PatchTraining:
         config, kind = self.config, self.ctx.kind
         device = resolve_device(config.device)
         n_out = 1 if kind == "regression" else len(self.ctx.labels)
-        heads = []
-        for _, seed in specs:  # each run's head starts where a run of its own would start it; restarts that are
+        heads, lora_start = [], []
+        lora = lora_spec(self.encoder.model, config)
+        for _, seed in specs:  # each run's head (and LoRA) starts where a run of its own would start it; restarts
             torch.manual_seed(config.seed if config.restarts_merge == "average" else seed)  # averaged start alike
             head = nn.Linear(self.encoder.hidden_size, n_out)
             if config.head_init == "labels":  # every run alike: the label names' vectors, no bias
@@ -159,9 +162,11 @@ class PatchTraining:
                     head.weight.copy_(self.label_vectors())
                     head.bias.zero_()
             heads.append(head)
+            if lora is not None:
+                lora_start.append(init_factors(self.encoder.model, lora))
         if self.packed:
             base, shared = self.packed_base(device)
-            return PackedRuns(base, heads, kind, self.pooling, config, shared)
+            return PackedRuns(base, heads, kind, self.pooling, config, shared, lora_start)
         return PaddedRun(self.encoder.model, heads[0], kind, self.pooling, config, device)
 
     def packed_base(self, device: torch.device) -> tuple[nn.Module, PackedBert | None]:
