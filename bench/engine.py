@@ -15,7 +15,9 @@ every iteration so drift hits all alike:
 * engine: the runner, every row with its own task's biases and head in one forward;
 * engine_ia3: a second runner whose tasks are ``bitfit-ia3`` patches (the same biases and heads, plus (IA)^3 scales
   on every layer's keys, values and intermediate), so every row also multiplies in its own scales: what the opt-in
-  patch kind costs to serve (``ratio_ia3_vs_engine``, its time over the engine's).
+  patch kind costs to serve (``ratio_ia3_vs_engine``, its time over the engine's);
+* engine_lora: the same with ``lora`` patches (the same biases and heads, plus rank-8 LoRA on every layer's query and
+  value, PEFT's default targets): ``ratio_lora_vs_engine``.
 
 Times are medians over the iterations (host tensors in, host logits out, device synchronised); the engine is also
 timed pipelined, as the server's batcher runs it (the next batch launched before the previous one is finished).
@@ -53,8 +55,9 @@ from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.runner import Runner
 
 OUT = ROOT / "docs" / "benchmarks"
-PATHS = ("plain", "naive", "engine", "engine_ia3")
-TWINS = {"engine_ia3": {"ia3_scale": 0.05}}  # a scaled path: its patches' noise
+PATHS = ("plain", "naive", "engine", "engine_ia3", "engine_lora")
+TWINS = {"engine_ia3": {"ia3_scale": 0.05}, "engine_lora": {"lora_rank": 8, "lora_scale": 0.05}}  # their patches'
+LORA_RANK = 8
 
 
 class Paths:
@@ -163,12 +166,16 @@ class Paths:
     def run_engine_ia3(self, rows: list[Row]) -> None:
         self.run_twins("engine_ia3", rows)
 
+    def run_engine_lora(self, rows: list[Row]) -> None:
+        self.run_twins("engine_lora", rows)
+
     def fns(self) -> dict[str, Callable[[list[Row]], None]]:
         return {
             "plain": self.run_plain,
             "naive": self.run_naive,
             "engine": self.run_engine,
             "engine_ia3": self.run_engine_ia3,
+            "engine_lora": self.run_engine_lora,
         }
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
@@ -235,10 +242,13 @@ def measure(
         "ratio_vs_plain": round(med["plain"] / med["engine"], 3),
         "ratio_vs_naive": round(med["naive"] / med["engine"], 3),
         "ratio_ia3_vs_engine": round(med["engine_ia3"] / med["engine"], 3),
+        "ratio_lora_vs_engine": round(med["engine_lora"] / med["engine"], 3),
+        "lora_rank": LORA_RANK,
         "ops_engine": paths.count_ops(paths.run_engine, rows),
         "ops_plain": paths.count_ops(paths.run_plain, rows),
         "ops_naive": paths.count_ops(paths.run_naive, rows),
         "ops_engine_ia3": paths.count_ops(paths.run_engine_ia3, rows),
+        "ops_engine_lora": paths.count_ops(paths.run_engine_lora, rows),
     }
 
 
@@ -281,6 +291,7 @@ def render(jsonl: Path) -> None:
         "show the latest of each). rows/s: median over the iterations; `vs plain` / `vs naive`: the engine's",
         "throughput over that path's on the same rows; `bitfit-ia3 time / engine`: the engine's time on the same",
         "rows when every task is a bitfit-ia3 patch (biases plus (IA)^3 scales), over its time with BitFit patches;",
+        "`lora time / engine`: the same with lora patches (rank-8 LoRA on every layer's query and value);",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -290,15 +301,17 @@ def render(jsonl: Path) -> None:
             f"## {dev} ({mine[0]['dtype']}, torch {mine[0]['torch']})",
             "",
             "| tasks | dist | batch | plain rows/s | naive rows/s | engine rows/s | vs plain | vs naive "
-            "| ops plain | ops naive | ops engine | bitfit-ia3 time / engine |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| ops plain | ops naive | ops engine | bitfit-ia3 time / engine | lora time / engine |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(mine, key=lambda r: (r["tasks"], r["dist"], r["batch"])):
             ia3 = f"{r['ratio_ia3_vs_engine']:.3f}" if "ratio_ia3_vs_engine" in r else "-"
+            lora = f"{r['ratio_lora_vs_engine']:.3f}" if "ratio_lora_vs_engine" in r else "-"
             lines.append(
                 f"| {r['tasks']} | {r['dist']} | {r['batch']} | {r['rows_per_s_plain']:.0f} | "
                 f"{r['rows_per_s_naive']:.0f} | {r['rows_per_s_engine']:.0f} | {r['ratio_vs_plain']:.2f}x | "
-                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ia3} |"
+                f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ia3} | "
+                f"{lora} |"
             )
         lines.append("")
     lines += goals(rows)
@@ -366,8 +379,12 @@ def goals(rows: list[dict]) -> list[str]:
                 ("vs naive, 32 rows of ~32 tasks (1000 resident) >= 10x", n32 and n32["ratio_vs_naive"], 10.0),
                 ("vs plain at every batch size >= 0.95x", min(r["ratio_vs_plain"] for r in mine), 0.95),
             ]
+            lora = r32 and r32.get("ratio_lora_vs_engine")
+            checks.append(("lora time / engine, 100 tasks, batch 32 <= 1.3", lora or None, -1.3))
         else:
             r32, r128 = pick(dev, 100, 32), pick(dev, 100, 128)
+            lora = r32 and r32.get("ratio_lora_vs_engine")
+            checks.append(("lora time / engine, 100 tasks, batch 32 <= 1.5", lora or None, -1.5))
             checks += [
                 ("vs plain, 100 tasks, batch 32 >= 3x", r32 and r32["ratio_vs_plain"], 3.0),
                 ("vs plain, 100 tasks, batch 128 >= 1.5x", r128 and r128["ratio_vs_plain"], 1.5),

@@ -272,7 +272,8 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
 
 # --quick: a check that the pipeline runs here, not a measurement the table could use
 QUICK_SET, QUICK_ROWS, QUICK_MIN_STEPS = "trec", 256, 200
-SHOWN = {"logreg": "floor", "bitfit": "BitFit", "full": "full FT", "setfit": "SetFit"}  # the figure's bars, in order
+# the figure's bars, in order
+SHOWN = {"logreg": "floor", "bitfit": "BitFit", "lora": "LoRA", "full": "full FT", "setfit": "SetFit"}
 
 
 def write_plot(runs: list[dict], path: Path) -> list[str]:

@@ -58,6 +58,8 @@ BERT_BASE = {
     "max_position_embeddings": 512,
 }
 TEXT = "the good movie was very fun"
+# the opt-in patch kinds sized beside BitFit: (IA)^3 scales, and LoRA of rank 8 on query and value (PEFT's default)
+KINDS = {"bitfit-ia3": {"ia3_scale": 0.05}, "lora": {"lora_rank": 8}}
 
 
 def sizing(models: dict[str, str]) -> list[dict[str, Any]]:
@@ -71,6 +73,14 @@ def sizing(models: dict[str, str]) -> list[dict[str, Any]]:
             runner = Runner(load_encoder(source), device="cpu", dtype=dtype, slots=4)
             row[f"bytes_per_task_{'half' if dtype == 'bfloat16' else dtype}"] = runner.slot_bytes
         row["tasks_per_gb_half"] = int(1e9 // row["bytes_per_task_half"])
+        for kind, extra in KINDS.items():  # a task of the opt-in kinds, resident beside BitFit ones (half precision)
+            runner = Runner(load_encoder(source), device="cpu", dtype="bfloat16", slots=4)
+            typed = random_patch(encoder, kind, **extra)  # type: ignore[arg-type]
+            runner.preload([typed])
+            lora = getattr(getattr(runner.backend, "packed", None), "lora", None)
+            extra_bytes = lora.bytes_per_row if lora is not None else 0
+            row[f"bytes_per_task_half_{kind}"] = runner.slot_bytes + extra_bytes
+            row[f"patch_file_bytes_{kind}"] = len(typed.data)
         out.append(row)
         print(json.dumps(row), file=sys.stderr)
     return out
@@ -198,6 +208,22 @@ def render(jsonl: Path) -> None:
             f"| {s['encoder']} | {s['biases']:,} | {s['patch_file_bytes']:,} | {s['bytes_per_task_float32']:,} | "
             f"{s['bytes_per_task_half']:,} | {s['tasks_per_gb_half']:,} |"
         )
+    kinds = [s for s in sizes if all(f"bytes_per_task_half_{k}" in s for k in KINDS)]
+    if kinds:
+        md += [
+            "",
+            "By patch kind, half precision: a bitfit-ia3 task adds its (IA)^3 scale rows (every slot gets them once "
+            "the first such patch is resident); a lora task (rank 8 on every layer's query and value) adds a row of "
+            "LoRA factors, which only LoRA tasks take.",
+            "",
+            "| encoder | bitfit bytes/task | bitfit-ia3 bytes/task | lora bytes/task | lora patch file |",
+            "|---|---:|---:|---:|---:|",
+            *(
+                f"| {s['encoder']} | {s['bytes_per_task_half']:,} | {s['bytes_per_task_half_bitfit-ia3']:,} | "
+                f"{s['bytes_per_task_half_lora']:,} | {s['patch_file_bytes_lora']:,} |"
+                for s in kinds
+            ),
+        ]
     md += [
         "",
         f"Goal (issue 15): 10,000 BERT-base-sized tasks resident in < 2 GB in half precision: **{per10k:.2f} GB** -- "

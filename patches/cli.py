@@ -229,7 +229,9 @@ def _add_peft_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="write the patch here (default TASK.safetensors, unless --registry is given)")
     p.add_argument("--registry", help="register the patch in this registry (disk:///path or redis://...) instead")
     p.add_argument("--model", default="default", help=model_help)
-    p.add_argument("--max-seq-length", type=positive_int, default=128, help="truncate inputs to this many tokens")
+    p.add_argument(
+        "--max-seq-length", type=positive_int, default=128, help="truncate inputs to this many tokens (default 128)"
+    )
     add_retention_option(p)
     p.set_defaults(func=_import_peft)
 

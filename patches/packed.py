@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchserve.patches.bitfit import bias_parameters, ia3_base
+from patchserve.patches.lora import factor_pairs
 from patchserve.patches.packed_lora import LoraBank, LoraFactors, LowRank, fold_products, fold_through
 from patchserve.patches.packed_ops import dropout, token_biases
 
@@ -303,7 +304,7 @@ class PackedBert:
             self._add_scale_banks()
         for k, v in values.items():
             self.banks[k].index_copy_(0, index, v.to(self.dtype))
-        if self.lora is None and any(fold_products(self, tasks)):  # the first LoRA patch: LoRA rows from now on
+        if self.lora is None and any(map(factor_pairs, tasks)):  # the first LoRA patch: LoRA rows from now on
             self.lora = LoraBank(self, next(iter(self.banks.values())).shape[0])
         if self.lora is not None:
             for slot, task in zip(slots, tasks, strict=True):

@@ -76,7 +76,13 @@ async def register(
 
     def parse() -> Patch:
         if not is_archive(data):
-            return Patch.from_bytes(data, max_bytes=limit)
+            parsed = Patch.from_bytes(data, max_bytes=limit)
+            if task and task != parsed.meta.task:
+                raise PatchError(
+                    f"the patch is task {parsed.meta.task!r}, not {task!r}: a patch file carries its own task name "
+                    "(the form field task names a PEFT adapter archive's task)"
+                )
+            return parsed
         if len(data) > limit:
             raise PatchTooLargeError(f"the adapter archive is over the {limit}-byte limit")
         if not task:

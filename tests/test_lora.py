@@ -153,3 +153,47 @@ def test_malformed_lora_patches_are_refused(tiny_encoder, mixed_patches):
         replace(patch, lora={**patch.lora, **pooler}).check_compatible(tiny_encoder.spec)
     with pytest.raises(PatchMetadataError, match="not supported"):
         Patch.from_bytes(patch.data.replace(b'\\"patch_type\\":\\"lora\\"', b'\\"patch_type\\":\\"lorx\\"'))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_serve_lora_rows_as_closely_as_the_plain_model(minilm):
+    """float16 with CUDA graphs (the per-token form): LoRA patches join after a BitFit batch (their factor banks
+    replace the graphs' inputs: captured again), then grow the rank; every row is about as far from the float32
+    reference as the plain HF model of its task in float16."""
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.patches.model import TaskModel
+    from patchserve.server.engine.runner import DTYPES
+
+    runner = Runner(load_encoder("default"), device="cuda", dtype="float16", slots=16)
+    assert runner.backend.graphs is not None
+    plain_patches = [make_patch(minilm, f"b{i}", seed=i, scale=0.05) for i in range(3)]
+    lora = [
+        make_patch(
+            minilm,
+            f"l{i}",
+            seed=10 + i,
+            scale=0.05,
+            lora_rank=4 + 4 * i,
+            lora_targets=ALL[: 2 + 2 * i],
+            lora_scale=0.05,
+        )
+        for i in range(3)
+    ]
+    errors: dict[str, list[float]] = {"engine": [], "plain": []}
+    for trial, pool in enumerate((plain_patches, plain_patches + lora[:1], plain_patches + lora)):
+        generation = runner.backend.graphs.generation
+        rows = _mixed(minilm, pool, n=24, seed=trial)
+        got = runner.run(rows)
+        assert runner.backend.graphs is not None, "CUDA graphs were turned off (a capture failed: see the log)"
+        if trial > 0:
+            assert runner.backend.graphs.generation != generation
+        for row, out in zip(rows, got, strict=True):
+            ref = _reference(minilm.model, row.patch, row)
+            model = TaskModel.from_patch(copy.deepcopy(minilm.model), row.patch).eval().to("cuda", DTYPES["float16"])
+            ids = torch.tensor([row.input_ids], device="cuda")
+            with torch.no_grad():
+                alone = model(ids, torch.ones_like(ids), torch.zeros_like(ids)).float().cpu()[0]
+            errors["engine"].append(((out - ref).norm() / ref.norm()).item())
+            errors["plain"].append(((alone - ref).norm() / ref.norm()).item())
+    mean = {k: sum(v) / len(v) for k, v in errors.items()}
+    assert mean["engine"] <= 1.25 * mean["plain"], mean

@@ -122,3 +122,13 @@ def test_a_wanted_file_twice_is_ambiguous():
     body = _tar({"a/adapter_config.json": b"{}", "b/adapter_config.json": b"{}"}, mode="w")
     with pytest.raises(Exception, match="twice"):
         adapter_files(body, limit=1 << 20)
+
+
+def test_a_patch_file_keeps_its_own_task_name(client, tiny_encoder):
+    from tests.helpers import make_patch
+
+    patch = make_patch(tiny_encoder, "named", seed=3, lora_rank=2)
+    r = client.post("/tasks", files={"patch": ("p.safetensors", patch.data)}, data={"task": "other"})
+    assert r.status_code == 422 and "carries its own task name" in r.json()["detail"]
+    r = client.post("/tasks", files={"patch": ("p.safetensors", patch.data)}, data={"task": "named"})
+    assert r.status_code == 201 and r.json()["patch_type"] == "lora"

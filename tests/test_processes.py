@@ -80,6 +80,7 @@ def registry_url(tmp_path, tiny_encoder) -> str:
     reg.put(make_patch(tiny_encoder, "sent", seed=1))
     reg.put(make_patch(tiny_encoder, "sts", kind="regression", seed=2, ia3_scale=0.3))  # a bitfit-ia3 patch
     reg.put(make_patch(tiny_encoder, "pos", kind="token-classification", seed=3))
+    reg.put(make_patch(tiny_encoder, "lora", seed=4, lora_rank=4, pooling="cls"))  # a lora patch
     reg.close()
     return url
 
@@ -88,11 +89,12 @@ def _predict(base: str, task: str, inputs, **kw) -> httpx.Response:
     return httpx.post(f"{base}/tasks/{task}/predict", json={"inputs": inputs, **kw}, timeout=30)
 
 
-def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, registry_url):
+def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, tiny_encoder, registry_url):
     asks = [
         ("sent", TEXTS, {"all_scores": True}),
         ("sts", [{"text": t, "text_pair": "the film"} for t in TEXTS], {}),
         ("pos", TEXTS, {}),
+        ("lora", TEXTS, {"all_scores": True}),
     ]
     settings = ServerSettings(registry=registry_url, model=str(tiny_bert_dir), device="cpu", slots=8)
     with TestClient(create_app(settings)) as client:
@@ -106,6 +108,10 @@ def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, re
                 assert _close(got.json(), want)
         got = httpx.post(f"{server.base}/embed", json={"inputs": TEXTS}, timeout=30).json()
         np.testing.assert_allclose(got["embeddings"], embedded["embeddings"], rtol=1e-5, atol=1e-6)
+        # a front end checks a lora patch against the engine's LoRA sites, which it learns from the engine process
+        lora = make_patch(tiny_encoder, "lora2", seed=5, lora_rank=2, lora_targets=("key", "intermediate.dense"))
+        r = httpx.post(f"{server.base}/tasks", files={"patch": ("p.safetensors", lora.data)}, timeout=30)
+        assert r.status_code == 201 and r.json()["patch_type"] == "lora", r.text
         # on the CPU the engine's forward takes every core
         assert f"{available_cpus()} CPU threads" in server.log.read_text()
 
