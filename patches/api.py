@@ -124,7 +124,8 @@ class TaskRegistered(BaseModel):
     n_params: int
     patch_type: str = Field(
         "bitfit",
-        description="`bitfit` (biases + head) or `bitfit-ia3` (biases, (IA)^3 scales + head)",
+        description="`bitfit` (biases + head), `bitfit-ia3` (biases, (IA)^3 scales + head) or `lora` (biases, LoRA "
+        "factors + head)",
     )
     base: BaseInfo
 

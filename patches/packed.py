@@ -30,6 +30,11 @@ scale does not break the key bias's drop (q . (s * b_k) is still one constant pe
 into the attention-output bias scaled (attention weights sum to 1, so V's scale passes through them per feature).
 The scale banks exist only once a patch with scales has been loaded (``generation`` counts that, so captured graphs
 are dropped); until then a BitFit-only server pays nothing for them.
+
+A ``lora`` patch adds each row's low-rank products to the four matrix products of every layer it targets
+(``patches/packed_lora.py``). The folds stay exact with it: a beta or value bias folded through a weight is folded
+through that task's updated weight ``W + B A`` (``fold_through``), since the low-rank product of the stream is taken
+without them.
 """
 
 from __future__ import annotations

@@ -137,5 +137,5 @@ def test_lora_configs_that_cannot_train_are_refused(tmp_path, tiny_encoder):
     with pytest.raises(JobError, match="drop lora_rank or full"):
         train_config(lora_rank=4, full=True)
     train, dev = training_data(tmp_path, "classification", n_train=32, n_dev=8)
-    with pytest.raises(ValueError, match="LoRA train"):
+    with pytest.raises(ValueError, match="LoRA trains on the packed model"):
         train_patch(tiny_encoder, train, dev, train_config(lora_rank=2), packed=False)

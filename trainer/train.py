@@ -86,8 +86,8 @@ class PatchTraining:
         self.packed = unsupported is None if packed is None else packed
         if (config.scales == "ia3" or config.lora_rank) and not self.packed:
             why = unsupported or "packed=False"
-            what = "LoRA" if config.lora_rank else "(IA)^3 scales"
-            raise ValueError(f"{what} train(s) on the packed model, which is off here ({why}); train a bitfit patch")
+            what = "LoRA trains" if config.lora_rank else "(IA)^3 scales train"
+            raise ValueError(f"{what} on the packed model, which is off here ({why}); train a bitfit patch")
         self.plan = selection.plan(config, kind, len(train), len(dev))
         self.config = self.plan.config
         self.encoder, self.pooling = encoder, pooling
