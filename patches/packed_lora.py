@@ -1,15 +1,16 @@
 """LoRA in the packed model: each row's low-rank update, gathered per row, in the same forward as every other row.
 
 A packed layer has four matrix products ("sites"): ``qkv`` (query, key and value stacked), ``o`` (attention output),
-``i`` (feed-forward intermediate) and ``f`` (feed-forward output). A LoRA patch's factors for a site are kept as one
-A ``[rows, P*r, in]`` and one B ``[rows, out, P*r]``, P the site's parts (3 for ``qkv``, B block-diagonal over them, so
-one pair of batched products serves all three), r the largest rank resident (smaller ranks are zero-padded: exact).
-Row 0 is all zeros: the row of every task without LoRA, so a mixed batch is one computation.
+``i`` (feed-forward intermediate) and ``f`` (feed-forward output). LoRA factors are kept per targeted module ("role":
+``q``, ``k``, ``v``, ``o``, ``i``, ``f``), keyed ``"{layer}.{role}"``: A ``[rows, r, in]`` and B ``[rows, out, r]``,
+r the largest rank resident (smaller ranks are zero-padded: exact); a module's low-rank product is added to its part
+of its site's output (the query's to the first third of ``qkv``, and so on). Row 0 is all zeros: the row of every
+task without LoRA, so a mixed batch is one computation.
 
 Two forms compute a batch's products, both exact:
 
 * per row (the exact attention path, the CPU): the tokens are laid out padded per row (the layout the attention
-  already uses), and each row's factors are gathered once: ``[R, T, in] @ [R, in, P*r]``, then ``@ [R, P*r, out]``;
+  already uses), and each row's factors are gathered once: ``[R, T, in] @ [R, in, r]``, then ``@ [R, r, out]``;
 * per token (flash attention, CUDA graphs): each token's factors are gathered: static shapes, capturable.
 
 A server's ``LoraBank`` gives LoRA rows only to slots that hold a LoRA patch (``rows``: slot -> row), so a server of
@@ -29,31 +30,33 @@ from patchserve.patches.lora import factor_pairs
 if TYPE_CHECKING:
     from patchserve.patches.packed import PackedBatch, PackedBert
 
-#: LoRA role -> (site, part)
+#: LoRA role -> (site, part): the matrix product it updates and which slice of its output
 ROLE_SITE = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "o": ("o", 0), "i": ("i", 0), "f": ("f", 0)}
-PARTS = {"qkv": 3, "o": 1, "i": 1, "f": 1}
+SITE_ROLES = {"qkv": ("q", "k", "v"), "o": ("o",), "i": ("i",), "f": ("f",)}
 
 
-def site_map(packed: PackedBert) -> dict[str, tuple[int, str, int]]:
-    """Each LoRA site's module name -> (layer, site, part), from the packed model's bias names."""
-    out: dict[str, tuple[int, str, int]] = {}
-    for i, layer in enumerate(packed.layers):
-        for role, (site, part) in ROLE_SITE.items():
-            out[layer.names[role].removesuffix(".bias")] = (i, site, part)
-    return out
+def role_map(packed: PackedBert) -> dict[str, tuple[int, str]]:
+    """Each LoRA site's module name -> (layer, role), from the packed model's bias names."""
+    return {
+        layer.names[role].removesuffix(".bias"): (i, role)
+        for i, layer in enumerate(packed.layers)
+        for role in ROLE_SITE
+    }
 
 
-def site_dims(packed: PackedBert, site: str) -> tuple[int, int]:
-    """``(in, out)`` of one part of a site's product."""
-    layer = packed.layers[0]
-    weight = {"qkv": layer.wqkv[: packed.hidden], "o": layer.wo, "i": layer.wi, "f": layer.wf}[site]
+def role_dims(packed: PackedBert, role: str) -> tuple[int, int]:
+    """``(in, out)`` of a role's product."""
+    layer, h = packed.layers[0], packed.hidden
+    weight = {"q": layer.wqkv[:h], "k": layer.wqkv[:h], "v": layer.wqkv[:h], "o": layer.wo, "i": layer.wi}.get(
+        role, layer.wf
+    )
     return int(weight.shape[1]), int(weight.shape[0])
 
 
 @dataclass
 class LoraFactors:
-    """Low-rank factors by site key ``"{layer}.{site}"``: ``a`` ``[rows, P*r, in]``, ``b`` ``[rows, out*P, P*r]``;
-    ``rows`` maps a bank slot to its factor row (None: row = slot, a trainer's runs)."""
+    """Low-rank factors by key ``"{layer}.{role}"``: ``a`` ``[rows, r, in]``, ``b`` ``[rows, out, r]``; ``rows`` maps a
+    bank slot to its factor row (None: row = slot, a trainer's runs)."""
 
     a: dict[str, torch.Tensor] = field(default_factory=dict)
     b: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -61,8 +64,8 @@ class LoraFactors:
 
 
 class LowRank:
-    """The low-rank products of one batch: ``add(key, x, y)`` is ``y`` plus each token's row's ``(x A^T) B^T`` for
-    site ``key`` (``y`` itself where no factors are resident for it)."""
+    """The low-rank products of one batch: ``add(key, x, y)`` is ``y`` (site ``key`` = ``"{layer}.{site}"``'s
+    output) plus each token's row's ``(x A^T) B^T`` for each of the site's modules that has factors resident."""
 
     def __init__(self, factors: LoraFactors | None, batch: PackedBatch) -> None:
         self.factors = factors
@@ -74,32 +77,57 @@ class LowRank:
             self.index = slots if factors.rows is None else factors.rows.index_select(0, slots)
 
     def add(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.factors is None or self.index is None or key not in self.factors.a:
+        if self.factors is None or self.index is None:
             return y
-        a = self.factors.a[key].index_select(0, self.index).to(x.dtype)
-        b = self.factors.b[key].index_select(0, self.index).to(x.dtype)
-        if not self.per_row:  # per token: [N, K, in] @ [N, in, 1], then [N, out, K] @ [N, K, 1]
-            return y + torch.bmm(b, torch.bmm(a, x.unsqueeze(2))).squeeze(2)
-        pidx, key_mask = self.batch.pidx, self.batch.key_mask
-        assert pidx is not None and key_mask is not None
-        r, t = key_mask.shape[0], key_mask.shape[-1]
-        padded = x.new_zeros(r * t, x.shape[1]).index_copy(0, pidx, x).view(r, t, -1)
+        layer, site = key.split(".")
+        parts = [
+            (p, f"{layer}.{role}") for p, role in enumerate(SITE_ROLES[site]) if f"{layer}.{role}" in self.factors.a
+        ]
+        if not parts:
+            return y
+        padded = None
+        if self.per_row:  # the tokens in the attention's padded layout, once for the site's modules
+            pidx, key_mask = self.batch.pidx, self.batch.key_mask
+            assert pidx is not None and key_mask is not None
+            r, t = key_mask.shape[0], key_mask.shape[-1]
+            padded = x.new_zeros(r * t, x.shape[1]).index_copy(0, pidx, x).view(r, t, -1)
+        width = y.shape[1] // len(SITE_ROLES[site])
+        for part, name in parts:
+            delta = self._product(name, x, padded)
+            y = y + delta if len(SITE_ROLES[site]) == 1 else _add_at(y, delta, part * width)
+        return y
+
+    def _product(self, name: str, x: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+        assert self.factors is not None and self.index is not None
+        a = self.factors.a[name].index_select(0, self.index).to(x.dtype)
+        b = self.factors.b[name].index_select(0, self.index).to(x.dtype)
+        if padded is None:  # per token: [N, r, in] @ [N, in, 1], then [N, out, r] @ [N, r, 1]
+            return torch.bmm(b, torch.bmm(a, x.unsqueeze(2))).squeeze(2)
+        assert self.batch.pidx is not None
         delta = torch.bmm(torch.bmm(padded, a.transpose(1, 2)), b.transpose(1, 2))  # [R, T, out]
-        return y + delta.view(r * t, -1).index_select(0, pidx)
+        return delta.view(-1, delta.shape[-1]).index_select(0, self.batch.pidx)
+
+
+def _add_at(y: torch.Tensor, delta: torch.Tensor, start: int) -> torch.Tensor:
+    """``y`` with ``delta`` added to its columns from ``start`` (out of place: autograd sees a plain sum)."""
+    pad = torch.nn.functional.pad(delta, (start, y.shape[1] - start - delta.shape[1]))
+    return y + pad
 
 
 def fold_products(
     packed: PackedBert, tasks: Sequence[Mapping[str, torch.Tensor]]
 ) -> dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]:
-    """The tasks' LoRA factors by site key: ``[(task, A, B)]`` with A ``[r, in]`` and B placed in the site's output
-    (``[P*out, r]``), for folding vectors through the updated weights (``fold_through``)."""
-    sites = site_map(packed)
+    """The tasks' LoRA factors by site key ``"{layer}.{site}"``: ``[(task, A, B)]`` with A ``[r, in]`` and B placed in
+    the site's output (``[P*out, r]``, zero outside its module's part), for folding vectors through the updated
+    weights (``fold_through``)."""
+    roles = role_map(packed)
     out: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for k, task in enumerate(tasks):
         for module, (a, b) in factor_pairs(task).items():
-            i, site, part = sites[module]
+            i, role = roles[module]
+            site, part = ROLE_SITE[role]
             width = b.shape[0]
-            placed = b.new_zeros(PARTS[site] * width, b.shape[1])
+            placed = b.new_zeros(len(SITE_ROLES[site]) * width, b.shape[1])
             placed[part * width : (part + 1) * width] = b
             device = packed.device
             out.setdefault(f"{i}.{site}", []).append((k, a.to(device, torch.float32), placed.to(device, torch.float32)))
@@ -120,14 +148,25 @@ def fold_through(
     return torch.stack(rows)
 
 
+def module_factors(packed: PackedBert, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LoraFactors:
+    """A trainer's factors (differentiable): ``pairs`` maps a module to its runs' A ``[K, r, in]`` and B
+    ``[K, out, r]``; row = run."""
+    roles = role_map(packed)
+    factors = LoraFactors()
+    for module, (a, b) in pairs.items():
+        i, role = roles[module]
+        factors.a[f"{i}.{role}"], factors.b[f"{i}.{role}"] = a, b
+    return factors
+
+
 class LoraBank:
     """The LoRA factors of a server's resident tasks (``factors``), one row per slot that holds a LoRA patch. Rows,
-    rank and sites grow as patches need them; each growth reallocates and bumps the packed model's ``generation``
+    rank and modules grow as patches need them; each growth reallocates and bumps the packed model's ``generation``
     (captured CUDA graphs read the old tensors)."""
 
     def __init__(self, packed: PackedBert, n_slots: int) -> None:
         self.packed = packed
-        self.sites = site_map(packed)
+        self.roles = role_map(packed)
         self.factors = LoraFactors(rows=torch.zeros(n_slots, dtype=torch.long, device=packed.device))
         self.rank = 0
         self.capacity = 1  # rows, row 0 the zero row
@@ -155,7 +194,7 @@ class LoraBank:
                 self.rows[slot] = 0
             return
         rank = max(int(a.shape[0]) for a, _ in pairs.values())
-        keys = {f"{i}.{site}" for i, site, _ in (self.sites[m] for m in pairs)}
+        keys = {"{}.{}".format(*self.roles[m]) for m in pairs}
         if not row:
             if not self.free:
                 self._grow(2 * self.capacity, self.rank, set(self.factors.a))
@@ -165,13 +204,10 @@ class LoraBank:
             self._grow(self.capacity, max(rank, self.rank), set(self.factors.a) | keys)
         self._clear(row)
         for module, (a, b) in pairs.items():
-            i, site, part = self.sites[module]
-            r, width = int(a.shape[0]), int(b.shape[0])
-            at, bt = self.factors.a[f"{i}.{site}"], self.factors.b[f"{i}.{site}"]
-            at[row, part * self.rank : part * self.rank + r] = a.to(at.device, at.dtype)
-            bt[row, part * width : (part + 1) * width, part * self.rank : part * self.rank + r] = b.to(
-                at.device, at.dtype
-            )
+            key, r = "{}.{}".format(*self.roles[module]), int(a.shape[0])
+            at, bt = self.factors.a[key], self.factors.b[key]
+            at[row, :r] = a.to(at.device, at.dtype)
+            bt[row, :, :r] = b.to(bt.device, bt.dtype)
 
     def _clear(self, row: int) -> None:
         for key in self.factors.a:
@@ -179,20 +215,16 @@ class LoraBank:
             self.factors.b[key][row].zero_()
 
     def _grow(self, capacity: int, rank: int, keys: set[str]) -> None:
-        """Reallocate to ``capacity`` rows of ``rank`` for sites ``keys``, keeping every resident row's factors."""
+        """Reallocate to ``capacity`` rows of ``rank`` for modules ``keys``, keeping every resident row's factors."""
         a_new, b_new = {}, {}
+        device, dtype = self.packed.device, self.packed.dtype
         for key in sorted(keys):
-            site = key.split(".")[1]
-            parts = PARTS[site]
-            d_in, d_out = site_dims(self.packed, site)
-            a = torch.zeros(capacity, parts * rank, d_in, device=self.packed.device, dtype=self.packed.dtype)
-            b = torch.zeros(capacity, parts * d_out, parts * rank, device=self.packed.device, dtype=self.packed.dtype)
-            if key in self.factors.a:  # each part's block moves to its place at the new rank
-                old_a, old_b, n = self.factors.a[key], self.factors.b[key], self.capacity
-                for p in range(parts):
-                    src, dst = slice(p * self.rank, (p + 1) * self.rank), slice(p * rank, p * rank + self.rank)
-                    a[:n, dst] = old_a[:, src]
-                    b[:n, :, dst] = old_b[:, :, src]
+            d_in, d_out = role_dims(self.packed, key.split(".")[1])
+            a = torch.zeros(capacity, rank, d_in, device=device, dtype=dtype)
+            b = torch.zeros(capacity, d_out, rank, device=device, dtype=dtype)
+            if key in self.factors.a:
+                a[: self.capacity, : self.rank] = self.factors.a[key]
+                b[: self.capacity, :, : self.rank] = self.factors.b[key]
             a_new[key], b_new[key] = a, b
         self.free += range(self.capacity, capacity)
         self.free.sort(reverse=True)
@@ -204,25 +236,3 @@ class LoraBank:
     def bytes_per_row(self) -> int:
         """Device bytes one LoRA task's factors take."""
         return sum(t[0].numel() * t.element_size() for t in [*self.factors.a.values(), *self.factors.b.values()])
-
-
-def site_factors(packed: PackedBert, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LoraFactors:
-    """A trainer's factors by site (differentiable): ``pairs`` maps a module to its runs' A ``[K, r, in]`` and B
-    ``[K, out, r]`` (one rank); the parts of a site without factors are zero blocks."""
-    sites = site_map(packed)
-    by_site: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for module, ab in pairs.items():
-        i, site, part = sites[module]
-        by_site.setdefault(f"{i}.{site}", {})[part] = ab
-    factors = LoraFactors()
-    for key, parts in by_site.items():
-        n = PARTS[key.split(".")[1]]
-        a0, b0 = next(iter(parts.values()))
-        k, rank, d_in, d_out = a0.shape[0], a0.shape[1], a0.shape[2], b0.shape[1]
-        zeros_a, zeros_b = a0.new_zeros(k, rank, d_in), b0.new_zeros(k, d_out, rank)
-        factors.a[key] = torch.cat([parts[p][0] if p in parts else zeros_a for p in range(n)], dim=1)
-        rows = [
-            torch.cat([parts[p][1] if p in parts and q == p else zeros_b for q in range(n)], dim=2) for p in range(n)
-        ]
-        factors.b[key] = torch.cat(rows, dim=1)  # block-diagonal over the parts
-    return factors

@@ -39,7 +39,7 @@ from patchserve.patches.lora import LoraSpec, factor_pairs, lora_shapes
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
 from patchserve.patches.packed_layout import add_exact_attention, to_device
-from patchserve.patches.packed_lora import LoraFactors, site_factors
+from patchserve.patches.packed_lora import LoraFactors, module_factors
 
 PRECISIONS = ("auto", "float32")  # patches.train_config.TrainConfig.precision
 
@@ -155,7 +155,7 @@ class PackedTaskModel(nn.Module):
         return dict(zip(self.columns, self.bank.split(widths, dim=1), strict=True)) if widths else {}
 
     def lora_factors(self, columns: dict[str, torch.Tensor] | None = None) -> LoraFactors | None:
-        """Every run's LoRA factors by site (differentiable), or None without LoRA."""
+        """Every run's LoRA factors by module (differentiable), or None without LoRA."""
         if self.lora is None:
             return None
         columns = self._columns() if columns is None else columns
@@ -164,7 +164,7 @@ class PackedTaskModel(nn.Module):
             m: (a.view(k, *self.shapes[m + ".lora_A"]), b.view(k, *self.shapes[m + LORA_B]) * scaling)
             for m, (a, b) in factor_pairs(columns).items()
         }
-        return site_factors(self.packed, pairs)
+        return module_factors(self.packed, pairs)
 
     def banks(self) -> dict[str, torch.Tensor]:
         """Every run's bias banks ``[K, D]``, folded from the flat bank's columns (differentiable)."""
@@ -309,7 +309,7 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
         )
         # the encoder's banks only (the pooler's is each model's own, used by its pooling below)
         banks = {k: torch.cat([b[k] for b in all_banks]) for k in all_banks[0] if k != "pooler"}
-        if lora is not None:  # (equal joint keys: every model has the same LoRA sites)
+        if lora is not None:  # (equal joint keys: every model has the same LoRA modules)
             lora = LoraFactors(
                 a={k: torch.cat([f.a[k] for f in all_lora if f is not None]) for k in lora.a},
                 b={k: torch.cat([f.b[k] for f in all_lora if f is not None]) for k in lora.b},

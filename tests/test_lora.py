@@ -15,7 +15,7 @@ from patchserve.patches.format import LORA_A, LORA_B, Patch
 from patchserve.patches.lora import targets_of
 from patchserve.patches.packed import PackedBert
 from patchserve.patches.packed_layout import add_exact_attention, batch_views, fill_layout, layout_size
-from patchserve.patches.packed_lora import LowRank
+from patchserve.patches.packed_lora import ROLE_SITE, LowRank
 from patchserve.server.engine.runner import Runner
 from tests.helpers import make_patch
 from tests.test_engine import SENTENCES, _reference, _rows
@@ -112,12 +112,16 @@ def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
     per_row = LowRank(packed.lora.factors, batch)
     per_token = LowRank(packed.lora.factors, replace(batch, pidx=None, key_mask=None))
     assert per_row.per_row and not per_token.per_row
-    x = torch.randn(n, packed.hidden)
-    for key in packed.lora.factors.a:
-        zero = torch.zeros(n, packed.lora.factors.b[key].shape[1])
-        width = packed.lora.factors.a[key].shape[2]
-        xi = x if width == packed.hidden else torch.randn(n, width)
-        torch.testing.assert_close(per_token.add(key, xi, zero), per_row.add(key, xi, zero), rtol=0, atol=1e-5)
+    layer = packed.layers[0]
+    dims = {"qkv": layer.wqkv.shape, "o": layer.wo.shape, "i": layer.wi.shape, "f": layer.wf.shape}  # [out, in]
+    sites = {f"{k.split('.')[0]}.{ROLE_SITE[k.split('.')[1]][0]}" for k in packed.lora.factors.a}
+    assert {s.split(".")[1] for s in sites} == {"qkv", "o", "i", "f"}
+    for key in sites:
+        out_f, in_f = dims[key.split(".")[1]]
+        x, zero = torch.randn(n, in_f), torch.zeros(n, out_f)
+        got = per_token.add(key, x, zero)
+        assert got.abs().max() > 0, key
+        torch.testing.assert_close(got, per_row.add(key, x, zero), rtol=0, atol=1e-5)
 
 
 def test_format_round_trip_and_summary(tiny_encoder, mixed_patches):
