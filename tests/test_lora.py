@@ -4,7 +4,6 @@ plain Hugging Face model with that task's values applied, on both engines (float
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import replace
 
 import pytest
@@ -18,7 +17,8 @@ from patchserve.patches.packed_layout import add_exact_attention, batch_views, f
 from patchserve.patches.packed_lora import ROLE_SITE, LowRank
 from patchserve.server.engine.runner import Runner
 from tests.helpers import make_patch
-from tests.test_engine import SENTENCES, _reference, _rows
+from tests.test_engine import _reference, _rows
+from tests.test_packed import _mixed_rows
 
 ALL = ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense")
 
@@ -34,15 +34,6 @@ def mixed_patches(tiny_encoder):
             tiny_encoder, "tags", seed=5, lora_rank=3, kind="token-classification", lora_targets=("key", "output.dense")
         ),
     ]
-
-
-def _mixed(encoder, patches, n=25, seed=0):
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        rows += _rows(encoder, patches[i % len(patches)], [rng.choice(SENTENCES)])
-    rng.shuffle(rows)
-    return rows
 
 
 def test_lora_changes_the_outputs(tiny_encoder, mixed_patches):
@@ -64,7 +55,7 @@ def test_mixed_batch_of_lora_ia3_and_bitfit_rows(tiny_bert_dir, tiny_encoder, mi
     if engine == "packed":
         folds["fold_ln_bias"] = simplify
     runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=8, engine=engine, **folds)
-    rows = _mixed(tiny_encoder, mixed_patches)
+    rows = _mixed_rows(tiny_encoder, mixed_patches)
     for row, out in zip(rows, runner.run(rows), strict=True):
         torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
 
@@ -100,7 +91,7 @@ def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
     """The per-token gather (flash attention and CUDA graphs use it) computes what the per-row form does."""
     packed = PackedBert(copy.deepcopy(tiny_encoder.model), 6)
     packed.write_slots(list(range(5)), [p.values for p in mixed_patches])
-    rows = _mixed(tiny_encoder, mixed_patches, n=8, seed=3)
+    rows = _mixed_rows(tiny_encoder, mixed_patches, n=8, seed=3)
     ids, types = [r.input_ids for r in rows], [r.token_type_ids for r in rows]
     slots = [mixed_patches.index(r.patch) for r in rows]
     n, r = sum(map(len, ids)), len(rows)
@@ -186,7 +177,7 @@ def test_cuda_graphs_serve_lora_rows_as_closely_as_the_plain_model(minilm):
     errors: dict[str, list[float]] = {"engine": [], "plain": []}
     for trial, pool in enumerate((plain_patches, plain_patches + lora[:1], plain_patches + lora)):
         generation = runner.backend.graphs.generation
-        rows = _mixed(minilm, pool, n=24, seed=trial)
+        rows = _mixed_rows(minilm, pool, n=24, seed=trial)
         got = runner.run(rows)
         assert runner.backend.graphs is not None, "CUDA graphs were turned off (a capture failed: see the log)"
         if trial > 0:
