@@ -268,9 +268,8 @@ class PackedBert:
             n = layer.names
             bq, bk, bv, bo = get(n["q"]), get(n["k"]), get(n["v"]), get(n["o"])
             if carry is not None:
-                folded = mv(
-                    layer.wqkv, carry, f"{i}.qkv"
-                )  # [K, 3H]: the carried beta through the query, key and value weights
+                # [K, 3H]: the carried beta through the query, key and value weights
+                folded = mv(layer.wqkv, carry, f"{i}.qkv")
                 bq, bv = bq + folded[:, :h], bv + folded[:, 2 * h :]
                 bk = bk if self.drop_key_bias else bk + folded[:, h : 2 * h]
                 bo = bo + carry  # the residual stream carries the normalised value without its beta

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from patchserve.patches.bitfit import apply_values
-from patchserve.patches.format import LORA_B
+from patchserve.patches.format import LORA_A, LORA_B
 from patchserve.patches.lora import LoraSpec, factor_pairs, lora_shapes
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
@@ -107,14 +107,14 @@ class PackedTaskModel(nn.Module):
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
         device = base.device
         self.lora = lora
-        shapes = lora_shapes(encoder)
         self.shapes = {n: tuple(base.base[n].shape) for n in self.trained}
         if lora is not None:  # the factors' columns follow the biases'
             if len(lora_start) != len(heads):
                 raise ValueError("LoRA training needs each run's starting factors (lora_start)")
+            shapes = lora_shapes(encoder)
             for module in lora.modules:
                 out_f, in_f = shapes[module]
-                self.shapes |= {f"{module}.lora_A": (lora.rank, in_f), f"{module}.lora_B": (out_f, lora.rank)}
+                self.shapes |= {module + LORA_A: (lora.rank, in_f), module + LORA_B: (out_f, lora.rank)}
         names = list(self.shapes)
         starts = list(itertools.accumulate((math.prod(self.shapes[n]) for n in names), initial=0))
         self.columns = {n: (a, b) for n, a, b in zip(names, starts, starts[1:], strict=False)}  # name -> span
@@ -148,31 +148,27 @@ class PackedTaskModel(nn.Module):
             out |= {n: t * self.lora.scaling for n, t in out.items() if n.endswith(LORA_B)}
         return out
 
-    def _columns(self) -> dict[str, torch.Tensor]:
+    def banks(self) -> dict[str, torch.Tensor]:
+        """Every run's bias banks ``[K, D]``, folded from the flat bank's columns (differentiable)."""
+        return self.banks_and_factors()[0]
+
+    def banks_and_factors(self) -> tuple[dict[str, torch.Tensor], LoraFactors | None]:
+        """``banks()``, and every run's LoRA factors by module (None without LoRA), from one split of the bank."""
         # one split, not a slice per name: its backward writes every column's gradient in one concatenation, where
         # a slice each would make a zero-filled bank-sized gradient per name and sum them
         widths = [b - a for a, b in self.columns.values()]
-        return dict(zip(self.columns, self.bank.split(widths, dim=1), strict=True)) if widths else {}
-
-    def lora_factors(self, columns: dict[str, torch.Tensor] | None = None) -> LoraFactors | None:
-        """Every run's LoRA factors by module (differentiable), or None without LoRA."""
-        if self.lora is None:
-            return None
-        columns = self._columns() if columns is None else columns
-        k, scaling = self.runs, self.lora.scaling
-        pairs = {
-            m: (a.view(k, *self.shapes[m + ".lora_A"]), b.view(k, *self.shapes[m + LORA_B]) * scaling)
-            for m, (a, b) in factor_pairs(columns).items()
-        }
-        return module_factors(self.packed, pairs)
-
-    def banks(self) -> dict[str, torch.Tensor]:
-        """Every run's bias banks ``[K, D]``, folded from the flat bank's columns (differentiable)."""
-        columns = self._columns()
+        columns = dict(zip(self.columns, self.bank.split(widths, dim=1), strict=True)) if widths else {}
         vals = self.packed.bank_columns({n: c for n, c in columns.items() if n in self.packed.base}, self.runs)
         if self.pooling != "pooler":  # no row is pooled by the pooler: skip its product
             vals.pop("pooler", None)
-        return vals
+        if self.lora is None:
+            return vals, None
+        k, scaling = self.runs, self.lora.scaling
+        pairs = {
+            m: (a.view(k, *self.shapes[m + LORA_A]), b.view(k, *self.shapes[m + LORA_B]) * scaling)
+            for m, (a, b) in factor_pairs(columns).items()
+        }
+        return vals, module_factors(self.packed, pairs)
 
     def heads(self) -> Heads:
         return Heads(self.head_weight, self.head_bias)
@@ -284,8 +280,7 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
         raise ValueError("joint_forward needs models over one PackedBert, at one dropout and mode")
     packed_bert = first.packed
     packs = [part[0].pack(*part[1:]) for part in parts]
-    all_banks = [model.banks() for model, *_ in parts]
-    all_lora = [model.lora_factors() for model, *_ in parts]
+    all_banks, all_lora = zip(*(model.banks_and_factors() for model, *_ in parts), strict=True)
     lora = all_lora[0]
     if len(parts) == 1:
         joint, lengths = packs[0]
