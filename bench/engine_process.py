@@ -8,10 +8,12 @@ alone on the same model and rows.
 Why: on an H100 (docs/benchmarks/http-gpu.md) the HTTP rows/s at 8 inputs a request did not grow with the front
 ends and fell with concurrency: the engine process, not the front ends, was the limit. This isolates it. The
 benchmark starts the real engine process (``patchserve.server.supervisor.EngineProcess``, as ``patchserve serve
---workers N`` does) and one ZeroMQ DEALER here sends it pre-tokenised ``Infer`` messages of K rows (``--rows``) of
-random tasks, keeping ``--outstanding`` rows in flight (closed loop: a new request for every answer). Per cell: rows/s
-through the engine process, and the engine alone -- the same runner in this process on batches of --max-batch-rows rows
-of the same texts and tasks, back to back -- with their ratio (1.0: the process adds nothing to its forward passes).
+--workers N`` does) and one ZeroMQ DEALER here sends it pre-tokenised requests of K rows (``--rows``) of random
+tasks, keeping ``--outstanding`` rows in flight, closed loop: for every answer, one ``Requests`` message with as many
+new requests as it answered (a front end sends the requests made in one turn of its event loop as one message). Per
+cell: rows/s through the engine process, and the engine alone -- the same runner in this process on batches of
+--max-batch-rows rows of the same texts and tasks, back to back -- with their ratio (1.0: the process adds nothing to
+its forward passes).
 
 --model FREE (the default) is a random BERT of one layer, hidden 32, under the default encoder's tokenizer: on two
 CPU cores its forward of 32 rows takes about what the default encoder's takes on an H100 in float16 (~1.1 ms), so
@@ -29,64 +31,118 @@ if __name__ == "__main__":  # run as a script: the repository on sys.path instea
 import argparse
 import itertools
 import json
+import os
 import random
 import statistics
 import tempfile
 import time
 
+import numpy as np
+import torch
 import zmq
 
 from bench.common import DATA, FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot, sentences
 from bench.http import EngineAlone, device_name
 from patchserve.patches.encoder import load_encoder
 from patchserve.patches.synthetic import random_patch
-from patchserve.server.engine.protocol import Hello, Infer, Outputs, RowIn, encode, from_engine
+from patchserve.server.engine.protocol import Hello, Requests, Results, Row, encode, from_engine
+from patchserve.server.engine.remote import MAX_MESSAGE_ROWS
+from patchserve.server.engine.rows import pack_requests
 from patchserve.server.settings import ServerSettings
 from patchserve.server.supervisor import EngineProcess
 
 
-class Client:
-    """One DEALER on the engine process, closed loop over pre-encoded requests."""
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, address: str, messages: list[bytes]) -> None:
+
+class Pool:
+    """Many pre-tokenised rows of random tasks as arrays, from which ``Requests`` messages are cut as a front end
+    sends them: every request it had pending, K rows each, in one message."""
+
+    def __init__(self, token_rows: list[list[int]], patch_ids: list[str], rows: int, rng: random.Random) -> None:
+        picked = [rng.choice(token_rows) for _ in range(rows)]
+        self.lengths = np.fromiter(map(len, picked), dtype="<i4", count=rows)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.tokens = np.fromiter(itertools.chain.from_iterable(picked), dtype="<i4", count=int(self.starts[-1]))
+        self.row_keys = np.asarray([rng.randrange(len(patch_ids)) for _ in range(rows)], dtype="<i4")
+        self.keys = patch_ids
+        self.rng = rng
+
+    def message(self, first_id: int, requests: int, k: int) -> bytes:
+        n = requests * k
+        at = self.rng.randrange(len(self.lengths) - n)
+        a, b = int(self.starts[at]), int(self.starts[at + n])
+        used, row_keys = np.unique(self.row_keys[at : at + n], return_inverse=True)  # only the keys it names
+        return encode(
+            Requests(
+                id=first_id,
+                counts=np.full(requests, k, dtype="<i4").tobytes(),
+                lengths=self.lengths[at : at + n].tobytes(),
+                tokens=self.tokens[a:b].tobytes(),
+                types=np.zeros(b - a, dtype="<i4").tobytes(),
+                keys=[self.keys[i] for i in used],
+                row_keys=row_keys.astype("<i4").tobytes(),
+                embed=np.zeros(n, dtype=np.uint8).tobytes(),
+            )
+        )
+
+
+class Client:
+    """One DEALER on the engine process, closed loop: ``outstanding`` rows in flight, and for every answer one
+    message with as many new requests as it answered (what a front end does: the requests its clients send again
+    in one turn of its event loop go out together)."""
+
+    def __init__(self, address: str, pool: Pool) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
         self.sock.connect(address)
         self.sock.send(encode(Hello()))
         from_engine.decode(self.sock.recv())
-        self.messages = messages
+        self.pool = pool
+        self.next_id = 0
+        self.last_rows = 0
+        self.sizes: dict[int, int] = {}  # message id -> its requests not answered yet
 
-    def _outputs(self) -> None:
-        """The next answer, which must be outputs (a failure or ``Missing`` would make the figures meaningless)."""
+    def _send(self, requests: int, k: int) -> None:
+        self.sock.send(self.pool.message(self.next_id, requests, k))
+        self.sizes[self.next_id] = requests
+        self.next_id += requests
+
+    def _answered(self) -> int:
+        """Requests answered by the next answer, which must be results (a failure or ``Missing`` would make the
+        figures meaningless)."""
         answer = from_engine.decode(self.sock.recv())
-        if not isinstance(answer, Outputs):
-            raise RuntimeError(f"the engine answered {answer}")
+        if not isinstance(answer, Results) or answer.refused:
+            raise RuntimeError(f"the engine answered {type(answer).__name__}: {getattr(answer, 'message', '')}")
+        self.sizes[answer.id] -= answer.count
+        if not self.sizes[answer.id]:
+            del self.sizes[answer.id]
+        return answer.count
 
     def ask(self, payload: bytes) -> None:
         self.sock.send(payload)
-        self._outputs()
+        from_engine.decode(self.sock.recv())
 
-    def rows_per_s(self, rows: int, outstanding: int, seconds: float) -> float:
-        window = max(1, outstanding // rows)
-        msgs = itertools.cycle(self.messages)
-        sent = done = 0
+    def rows_per_s(self, k: int, outstanding: int, seconds: float) -> float:
+        window = max(1, outstanding // k)
+        per_message = max(1, MAX_MESSAGE_ROWS // k)
+        for start in range(0, window, per_message):
+            self._send(min(per_message, window - start), k)
+        done = 0
         t0 = time.perf_counter()
-        while sent < window:
-            self.sock.send(next(msgs))
-            sent += 1
-        while True:
-            self._outputs()
-            done += 1
-            if time.perf_counter() - t0 >= seconds:
-                break
-            self.sock.send(next(msgs))
-            sent += 1
-        elapsed = time.perf_counter() - t0
-        while done < sent:  # drain, so the next cell starts on an empty queue
-            self.sock.recv()
-            done += 1
-        return done * rows / elapsed
+        while time.perf_counter() - t0 < seconds:
+            answered = self._answered()
+            done += answered
+            self._send(answered, k)
+        elapsed, timed = time.perf_counter() - t0, done
+        while self.sizes:  # drain, so the next cell starts on an empty queue
+            done += self._answered()
+        self.last_rows = done * k  # every row answered in the cell, the drain's included
+        return timed * k / elapsed
 
     def close(self) -> None:
         self.sock.close(0)
@@ -102,15 +158,21 @@ def render(jsonl: Path) -> None:
         f"{meta['torch']}, commit {meta['commit']}); {meta['engine']}. One DEALER sends pre-tokenised requests of K "
         f"rows, closed loop with the given rows in flight; {meta['seconds']:g} s per cell, medians over "
         f"{meta['repeats']} repeats (cells interleaved). engine alone = the same runner in the benchmark's process on "
-        "full batches, back to back. ratio = engine process / engine alone.",
+        "full batches, back to back. ratio = engine process / engine alone. CPU: the CPU time (every thread) a row "
+        "costs the engine process, and the benchmark's process running the engine alone; CPU ratio = alone / process "
+        "(what a shared machine's noise moves least).",
         "",
-        "| rows a request | rows in flight | engine process rows/s | engine alone rows/s | ratio |",
-        "|---:|---:|---:|---:|---:|",
+        "| rows a request | rows in flight | engine process rows/s | engine alone rows/s | ratio | "
+        "CPU µs a row: process / alone | CPU ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
+        cpu = "| |"
+        if "cpu_us_per_row" in c:  # older runs did not record CPU time
+            cpu = f"| {c['cpu_us_per_row']:.0f} / {c['engine_alone_cpu_us_per_row']:.0f} | {c['cpu_ratio']:.2f} |"
         md.append(
             f"| {c['rows']} | {c['outstanding']} | {c['rows_per_s']:,.0f} | {c['engine_alone_rows_per_s']:,.0f} | "
-            f"{c['ratio']:.2f} |"
+            f"{c['ratio']:.2f} {cpu}"
         )
     if meta.get("notes"):
         md += ["", meta["notes"]]
@@ -140,6 +202,15 @@ def main() -> None:
     ap.add_argument("--outstanding", default="64,256,2048", help="rows in flight (comma-separated)")
     ap.add_argument("--tasks", type=int, default=200, help="tasks the rows spread over (all resident)")
     ap.add_argument("--max-batch-rows", type=int, default=32, help="the engine's batch bound (and the alone run's)")
+    ap.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="the engine's token bound per batch (default: serve's, 8192)"
+    )
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine process and of the engine alone (default: every core, as serve does)",
+    )
     ap.add_argument("--seconds", type=float, default=5.0, help="load per cell and repeat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data", type=Path, default=DATA, help="folder of */dev.jsonl sets (the texts)")
@@ -164,12 +235,7 @@ def main() -> None:
     token_rows = encoder.tokenizer(texts[:4000], truncation=True, max_length=128)["input_ids"]
     del encoder
 
-    def request(i: int, k: int) -> bytes:
-        rows = []
-        for _ in range(k):
-            ids, p = rng.choice(token_rows), rng.choice(patches)
-            rows.append(RowIn(ids, [0] * len(ids), p.patch_id))
-        return encode(Infer(i, rows))
+    pool = Pool(token_rows, [p.patch_id for p in patches], 50_000, rng)
 
     settings = ServerSettings(
         model=model,
@@ -177,34 +243,46 @@ def main() -> None:
         dtype=args.dtype,
         slots=max(args.tasks, 1),
         max_batch_rows=args.max_batch_rows,
+        max_batch_tokens=args.max_batch_tokens,
         max_queue_rows=max(outstanding) * 2,
         workers=1,
+        **({} if args.engine_threads is None else {"engine_threads": args.engine_threads}),
     )
+    if args.engine_threads is not None:
+        torch.set_num_threads(args.engine_threads)
     engine = EngineProcess(settings, f"ipc://{work / 'engine'}")
     engine.start()
     try:
         engine.wait_ready()
-        clients = {k: Client(engine.address, [request(i, k) for i in range(2000)]) for k in ks}
+        assert engine.process is not None and engine.process.pid is not None
+        pid = engine.process.pid
+        clients = {k: Client(engine.address, pool) for k in ks}
         first = clients[ks[0]]
         for j, p in enumerate(patches):  # every patch sent once (as a front end does), so every task is resident
-            first.ask(encode(Infer(10**7 + j, [RowIn([101, 102], [0, 0], p.patch_id)], {p.patch_id: p.data})))
+            first.ask(encode(pack_requests(10**7 + j, [[Row([101, 102], [0, 0], p)]], {p.patch_id: p.data})))
         for k, c in clients.items():  # warm-up of each shape
             c.rows_per_s(k, max(outstanding), 1.0)
         alone_engine = EngineAlone(model, patches, texts, args.max_batch_rows, args.device, args.dtype)
         cells = list(itertools.product(ks, outstanding))
         runs: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+        cpu: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
         alone: list[float] = []
+        alone_cpu: list[float] = []
         for rep in range(args.repeats):
+            c0 = time.process_time()
             alone.append(alone_engine.rows_per_s(args.tasks, rng))
+            alone_cpu.append((time.process_time() - c0) / alone_engine.last_rows * 1e6)
             shift = rep % len(cells)
             for k, n in cells[shift:] + cells[:shift]:
+                c0 = cpu_seconds(pid)
                 runs[k, n].append(clients[k].rows_per_s(k, n, args.seconds))
+                cpu[k, n].append((cpu_seconds(pid) - c0) / clients[k].last_rows * 1e6)
                 print(json.dumps({"rows": k, "outstanding": n, "rows_per_s": round(runs[k, n][-1])}), file=sys.stderr)
         for c in clients.values():
             c.close()
     finally:
         engine.stop()
-    engine_alone = statistics.median(alone)
+    engine_alone, alone_us = statistics.median(alone), statistics.median(alone_cpu)
     summary = [
         {
             "rows": k,
@@ -212,6 +290,9 @@ def main() -> None:
             "rows_per_s": round(statistics.median(runs[k, n]), 1),
             "engine_alone_rows_per_s": round(engine_alone, 1),
             "ratio": round(statistics.median(runs[k, n]) / engine_alone, 3),
+            "cpu_us_per_row": round(statistics.median(cpu[k, n]), 1),
+            "engine_alone_cpu_us_per_row": round(alone_us, 1),
+            "cpu_ratio": round(alone_us / statistics.median(cpu[k, n]), 3),
         }
         for k, n in cells
     ]
@@ -219,7 +300,7 @@ def main() -> None:
         meta = {
             "command": "python bench/engine_process.py " + " ".join(sys.argv[1:]),
             "engine": f"{args.model} encoder on {args.device} ({args.dtype}), {args.tasks} tasks, batches of up to "
-            f"{args.max_batch_rows} rows",
+            f"{args.max_batch_rows} rows and {args.max_batch_tokens:,} tokens",
             "device": device_name(args.device),
             "seconds": args.seconds,
             "repeats": args.repeats,
@@ -233,8 +314,18 @@ def main() -> None:
     deepest = max(outstanding)
     at_deepest = {c["rows"]: c for c in summary if c["outstanding"] == deepest}
     head = {f"ratio_{k}_rows_{deepest}": at_deepest[k]["ratio"] for k in ks}
+    head |= {f"cpu_ratio_{k}_rows_{deepest}": at_deepest[k]["cpu_ratio"] for k in ks}
+    head |= {f"cpu_us_per_row_{k}_rows_{deepest}": at_deepest[k]["cpu_us_per_row"] for k in ks}
     head |= {f"rows_per_s_{k}_rows_{deepest}": at_deepest[k]["rows_per_s"] for k in ks}
-    print(json.dumps({"engine_alone_rows_per_s": round(engine_alone, 1), **head}))
+    print(
+        json.dumps(
+            {
+                "engine_alone_rows_per_s": round(engine_alone, 1),
+                "engine_alone_cpu_us_per_row": round(alone_us, 1),
+                **head,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ from patchserve.patches.encoder import Encoder, load_encoder
 from patchserve.patches.format import Patch
 from patchserve.patches.synthetic import random_patch
 from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
 from patchserve.server.settings import available_cpus, default_workers
 
@@ -111,33 +112,39 @@ class EngineAlone:
         self.tokenizer = encoder.tokenizer
         self.runner = Runner(encoder, device=device, dtype=dtype, slots=len(patches), max_rows=batch_rows)
         self.patches, self.texts, self.batch_rows = patches, texts, batch_rows
+        self.last_rows = 0  # rows of the last rows_per_s run
         for i in range(0, len(patches), 128):  # every task resident, as in the servers
             self.runner.run([Row([101, 102], [0, 0], p) for p in patches[i : i + 128]])
 
-    def _batch(self, rows: int, tasks: int, rng: random.Random) -> list[Row]:
+    def _batch(self, rows: int, tasks: int, rng: random.Random) -> RowBlock:
         texts = [rng.choice(self.texts) for _ in range(rows)]
         enc = self.tokenizer(texts, truncation=True, max_length=512)
         types = enc.get("token_type_ids") or [[0] * len(ids) for ids in enc["input_ids"]]
         tasks_of = [self.patches[rng.randrange(tasks)] for _ in texts]
-        return [Row(ids, t, p) for ids, t, p in zip(enc["input_ids"], types, tasks_of, strict=True)]
+        return RowBlock.from_rows([Row(ids, t, p) for ids, t, p in zip(enc["input_ids"], types, tasks_of, strict=True)])
+
+    def run(self, block: RowBlock) -> None:
+        """One batch through the runner, as the batcher runs it (arrays in, one array out)."""
+        self.runner.finish(self.runner.launch(block))
 
     def ms_one_row(self, tasks: int, rng: random.Random, n: int = 40) -> float:
         """Median ms of a batch of one row: what a lone request costs the engine."""
         times = []
         for batch in [self._batch(1, tasks, rng) for _ in range(n)]:
             t0 = time.perf_counter()
-            self.runner.run(batch)
+            self.run(batch)
             times.append((time.perf_counter() - t0) * 1000)
         return statistics.median(times)
 
     def rows_per_s(self, tasks: int, rng: random.Random, seconds: float = 2.0) -> float:
         batches = [self._batch(self.batch_rows, tasks, rng) for _ in range(64)]
-        self.runner.run(batches[0])
+        self.run(batches[0])
         rows, t0 = 0, time.perf_counter()
         for batch in itertools.cycle(batches):
-            self.runner.run(batch)
+            self.run(batch)
             rows += len(batch)
             if time.perf_counter() - t0 >= seconds:
+                self.last_rows = rows
                 return rows / (time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
@@ -314,6 +321,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch-rows", type=int, default=32, help="the servers' batch bound (and the engine's)")
     ap.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="the servers' token bound per batch (default: serve's, 8192)"
+    )
+    ap.add_argument(
         "--engine-threads",
         type=int,
         help="the engine process's CPU threads (default: the server's; with FREE, the cores the front ends leave, "
@@ -387,7 +397,7 @@ def main() -> None:
             port = free_port()
             serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
             serve += ["--slots", str(n_tasks), "--registry", registry, "--workers", str(w)]
-            serve += ["--max-batch-rows", str(args.max_batch_rows)]
+            serve += ["--max-batch-rows", str(args.max_batch_rows), "--max-batch-tokens", str(args.max_batch_tokens)]
             if args.max_queue_rows is not None:
                 serve += ["--max-queue-rows", str(args.max_queue_rows)]
             if w > 0 and args.engine_threads is not None:
@@ -418,7 +428,7 @@ def main() -> None:
         meta = {
             "command": "python bench/http.py " + " ".join(sys.argv[1:]),
             "server": f"{args.model} encoder on {args.device} ({args.dtype}), disk registry, {n_tasks:,} tasks in "
-            f"{n_tasks:,} slots, batches of up to {args.max_batch_rows} rows",
+            f"{n_tasks:,} slots, batches of up to {args.max_batch_rows} rows and {args.max_batch_tokens:,} tokens",
             "device": device_name(args.device),
             "seconds": args.seconds,
             "repeats": args.repeats,

@@ -5,7 +5,7 @@ copy of a host tensor that does not wait for the device."""
 
 from __future__ import annotations
 
-import itertools
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class RowArrays(Protocol):
+    """Rows as flat arrays (``patchserve.server.engine.rows.RowBlock`` is one): row ``i``'s token ids and types are
+    ``tokens[starts[i]:starts[i + 1]]`` and ``types[...]``."""
+
+    tokens: np.ndarray
+    types: np.ndarray
+    lengths: np.ndarray
+    starts: np.ndarray
+
+
 def layout_size(n_tokens: int, n_rows: int) -> int:
     """Length of the flat int32 layout ``[ids | types | pos | tok_slot | seg] x N, cu [R + 1], row_slot, row_mode``."""
     return 5 * n_tokens + 3 * n_rows + 1
@@ -30,29 +40,25 @@ def layout_size(n_tokens: int, n_rows: int) -> int:
 
 def fill_layout(
     out: np.ndarray,
-    ids: list[list[int]],
-    types: list[list[int]],
-    row_slots: list[int],
-    row_modes: list[int],
+    rows: RowArrays,
+    row_slots: np.ndarray,
+    row_modes: np.ndarray,
     n_tokens: int,
     n_rows: int,
     fill_slot: int,
 ) -> int:
-    """Write a batch into ``out`` (int32, at least ``layout_size``) for an N-token, R-row layout; padding tokens
-    and rows get ``fill_slot`` and no row. Returns the number of real tokens."""
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    real = int(lengths.sum())
-    b = len(ids)
+    """Write a batch of ``rows`` into ``out`` (int32, at least ``layout_size``) for an N-token, R-row layout;
+    padding tokens and rows get ``fill_slot`` and no row. Returns the number of real tokens."""
+    lengths, starts = rows.lengths, rows.starts
+    real, b = int(starts[-1]), len(lengths)
     if real > n_tokens or b > n_rows:
         raise ValueError(f"{real} tokens in {b} rows do not fit a layout of {n_tokens} tokens, {n_rows} rows")
     n = n_tokens
     out[: layout_size(n, n_rows)] = 0
-    out[0:real] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=real)
-    out[n : n + real] = np.fromiter(itertools.chain.from_iterable(types), dtype=np.int32, count=real)
-    starts = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
+    out[0:real] = rows.tokens
+    out[n : n + real] = rows.types
     out[2 * n : 2 * n + real] = np.arange(real) - np.repeat(starts[:-1], lengths)
-    out[3 * n : 3 * n + real] = np.repeat(np.asarray(row_slots, dtype=np.int32), lengths)
+    out[3 * n : 3 * n + real] = np.repeat(row_slots, lengths)
     out[3 * n + real : 4 * n] = fill_slot
     out[4 * n : 4 * n + real] = np.repeat(np.arange(b, dtype=np.int32), lengths)
     out[4 * n + real : 5 * n] = n_rows  # no row

@@ -209,13 +209,19 @@ def _spy_runner(tiny_bert_dir, slots):
     batches: list[list[Row]] = []
     real = runner.launch
 
-    def spy(rows):
-        pending = real(rows)
-        batches.append(list(rows))
+    def spy(block):
+        pending = real(block)
+        batches.append(block.rows())
         return pending
 
     runner.launch = spy  # type: ignore[method-assign]
     return runner, batches
+
+
+def _block(rows):
+    from patchserve.server.engine.rows import RowBlock
+
+    return RowBlock.from_rows(rows)
 
 
 def test_batcher_mixes_tasks_and_drops_cancelled_rows(tiny_bert_dir, tiny_encoder):
@@ -225,21 +231,23 @@ def test_batcher_mixes_tasks_and_drops_cancelled_rows(tiny_bert_dir, tiny_encode
 
     runner, batches = _spy_runner(tiny_bert_dir, slots=4)
     pa, pb = make_patch(tiny_encoder, "a", seed=1), make_patch(tiny_encoder, "b", seed=2)
+    rows_a = _rows(tiny_encoder, pa, ["the good movie", "a bad film"])
 
     async def scenario():
         batcher = Batcher(runner, max_rows=8, max_wait_ms=200)
         batcher.start()
-        fa = batcher.submit(_rows(tiny_encoder, pa, ["the good movie", "a bad film"]))
-        fb = batcher.submit(_rows(tiny_encoder, pb, ["the cat runs"]))
-        fa[1].cancel()  # what a client hang-up or timeout does to its rows
-        outs = await asyncio.gather(fa[0], fb[0])
+        ja = batcher.submit(_block(rows_a))
+        jb = batcher.submit(_block(_rows(tiny_encoder, pb, ["the cat runs"])))
+        ja.drop(slice(1, 2))  # what a client hang-up or timeout does to one request's rows
+        outs = await asyncio.gather(ja.future, jb.future)
         await batcher.stop()
         return outs
 
-    outs = asyncio.run(scenario())
+    out_a, out_b = asyncio.run(scenario())
     assert len(batches) == 1 and len(batches[0]) == 2, "one mixed batch without the cancelled row"
     assert {r.patch.patch_id for r in batches[0]} == {pa.patch_id, pb.patch_id}
-    assert outs[0].shape == (2,) and outs[1].shape == (2,)
+    assert out_a.sizes.tolist() == [2, 0] and out_b.sizes.tolist() == [2], "a dropped row answers nothing"
+    torch.testing.assert_close(torch.from_numpy(out_a.data), runner.run(rows_a[:1])[0], rtol=0, atol=1e-5)
 
 
 def test_batcher_respects_row_and_patch_bounds(tiny_bert_dir, tiny_encoder):
@@ -253,10 +261,11 @@ def test_batcher_respects_row_and_patch_bounds(tiny_bert_dir, tiny_encoder):
     async def scenario():
         batcher = Batcher(runner, max_rows=4, max_wait_ms=50)
         batcher.start()
-        futures = []
-        for i in range(10):
-            futures += batcher.submit(_rows(tiny_encoder, patches[i % 3], [SENTENCES[i % len(SENTENCES)]]))
-        outs = await asyncio.gather(*futures)
+        jobs = [
+            batcher.submit(_block(_rows(tiny_encoder, patches[i % 3], [SENTENCES[i % len(SENTENCES)]])))
+            for i in range(10)
+        ]
+        outs = await asyncio.gather(*(j.future for j in jobs))
         await batcher.stop()
         return outs
 
@@ -267,46 +276,52 @@ def test_batcher_respects_row_and_patch_bounds(tiny_bert_dir, tiny_encoder):
 
 
 def test_batcher_serves_a_deep_queue_once_each_oldest_first(tiny_bert_dir, tiny_encoder):
-    """A queue far deeper than the selection window (which is taken off the head and put back): every live row
-    runs exactly once, each batch holds the oldest live row, the bounds hold, cancelled rows never run, and what
-    waits keeps its order."""
+    """Jobs of many rows queued deep (a batch may take part of a job, a job spans batches): every live row runs
+    exactly once and in arrival order, each batch holds the oldest live row, the bounds hold, dropped rows and a
+    cancelled job never run, and every job's outputs are its live rows' outputs alone, in its order."""
     import asyncio
-    import random
 
     from patchserve.server.engine.batcher import Batcher
 
     runner, batches = _spy_runner(tiny_bert_dir, slots=3)
     patches = [make_patch(tiny_encoder, f"t{i}", seed=i) for i in range(5)]
     rng = random.Random(0)
-    texts = [" ".join(rng.choice(SENTENCES).split()[: rng.randint(1, 6)]) for _ in range(300)]
+    rows = []
+    for i in range(300):  # tokens 5 + i // 20 and 5 + i % 20 mark row i
+        row = _rows(tiny_encoder, patches[i % 5], [" ".join(rng.choice(SENTENCES).split()[: rng.randint(1, 6)])])[0]
+        ids = [row.input_ids[0], 5 + i // 20, 5 + i % 20, *row.input_ids[1:]]
+        rows.append(replace(row, input_ids=ids, token_type_ids=[0, 0, *row.token_type_ids]))
+    cuts = sorted(rng.sample(range(1, 300), 30))
+    spans = list(zip([0, *cuts], [*cuts, 300], strict=True))
+    dropped = set(range(7, 300, 11))
+    whole = spans[3]  # a job cancelled as a whole
 
     async def scenario():
         batcher = Batcher(runner, max_rows=4, max_tokens=24, max_queue_rows=1000)
-        rows = [_rows(tiny_encoder, patches[i % 5], [t])[0] for i, t in enumerate(texts)]
-        futures = [batcher.submit([r])[0] for r in rows]  # queued before the actor starts: one deep queue
-        cancelled = set(range(7, 300, 11))
-        for i in cancelled:
-            futures[i].cancel()
-        order = {id(r): i for i, r in enumerate(rows)}
-        queued = list(batcher._queue)
+        jobs = [batcher.submit(_block(rows[a:b])) for a, b in spans]  # queued before the actor starts
+        for (a, b), job in zip(spans, jobs, strict=True):
+            for i in dropped & set(range(a, b)):
+                job.drop(slice(i - a, i - a + 1))
+        jobs[3].future.cancel()
         batcher.start()
-        live = [f for i, f in enumerate(futures) if i not in cancelled]
-        await asyncio.gather(*live)
+        outs = await asyncio.gather(*(j.future for k, j in enumerate(jobs) if k != 3))
         await batcher.stop()
-        return order, cancelled, queued
+        return outs
 
-    order, cancelled, queued = asyncio.run(scenario())
-    ran = [order[id(r)] for b in batches for r in b]
-    assert sorted(ran) == sorted(set(range(300)) - cancelled), "a live row ran twice or never, or a cancelled one ran"
-    seen: set[int] = set()
+    outs = asyncio.run(scenario())
+    gone = dropped | set(range(*whole))
+    ran = [(r.input_ids[1] - 5) * 20 + r.input_ids[2] - 5 for b in batches for r in b]
+    assert ran == sorted(set(range(300)) - gone), "a live row ran twice, never or out of order, or a dropped one ran"
     for b in batches:
-        idx = [order[id(r)] for r in b]
         assert len(b) <= 4 and len({r.patch.patch_id for r in b}) <= 3
         assert sum(len(r.input_ids) for r in b) <= 24 or len(b) == 1
-        oldest_waiting = min(set(range(300)) - cancelled - seen)
-        assert oldest_waiting in idx, "a batch without the oldest waiting row (something starves)"
-        seen |= set(idx)
-    assert len(queued) == 300
+    for (a, b), out in zip([s for k, s in enumerate(spans) if k != 3], outs, strict=True):
+        live = [i for i in range(a, b) if i not in dropped]
+        assert [int(x > 0) for x in out.sizes] == [int(i not in dropped) for i in range(a, b)]
+        got = out.split([len(rows[i].input_ids) for i in range(a, b)], [False] * (b - a))
+        want = [runner.run([rows[i]])[0] for i in live]
+        for g, w in zip([g for g in got if g.size], want, strict=True):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

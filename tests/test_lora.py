@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from patchserve.patches.lora import targets_of
 from patchserve.patches.packed import PackedBert
 from patchserve.patches.packed_layout import add_exact_attention, batch_views, fill_layout, layout_size
 from patchserve.patches.packed_lora import ROLE_SITE, LowRank
+from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
 from tests.helpers import make_patch
 from tests.test_engine import _reference, _rows
@@ -92,13 +94,13 @@ def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
     packed = PackedBert(copy.deepcopy(tiny_encoder.model), 6)
     packed.write_slots(list(range(5)), [p.values for p in mixed_patches])
     rows = _mixed_rows(tiny_encoder, mixed_patches, n=8, seed=3)
-    ids, types = [r.input_ids for r in rows], [r.token_type_ids for r in rows]
-    slots = [mixed_patches.index(r.patch) for r in rows]
-    n, r = sum(map(len, ids)), len(rows)
+    block = RowBlock.from_rows(rows)
+    slots = np.array([mixed_patches.index(r.patch) for r in rows])
+    n, r = block.n_tokens, len(rows)
     flat = torch.empty(layout_size(n, r), dtype=torch.int32)
-    fill_layout(flat.numpy(), ids, types, slots, [0] * r, n, r, 5)
-    batch = batch_views(flat, n, r, max(map(len, ids)))
-    add_exact_attention(batch, [len(x) for x in ids])
+    fill_layout(flat.numpy(), block, slots, np.zeros(r, dtype=np.int64), n, r, 5)
+    batch = batch_views(flat, n, r, int(block.lengths.max()))
+    add_exact_attention(batch, block.lengths.tolist())
     assert packed.lora is not None
     per_row = LowRank(packed.lora.factors, batch)
     per_token = LowRank(packed.lora.factors, replace(batch, pidx=None, key_mask=None))

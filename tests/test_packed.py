@@ -13,6 +13,7 @@ from patchserve.patches.model import TaskModel, pool
 from patchserve.patches.packed import PackedBert, packed_unsupported
 from patchserve.server.engine.packed_backend import PackedBackend
 from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import DTYPES, Runner
 from patchserve.server.engine.slotted import SlottedBackend
 from tests.helpers import make_patch
@@ -194,8 +195,8 @@ def test_batcher_overlaps_two_batches(tiny_bert_dir, tiny_encoder, device):
     async def scenario():
         batcher = Batcher(runner, max_rows=4, max_wait_ms=1)
         batcher.start()
-        futures = [f for r in rows for f in batcher.submit([r])]
-        outs = await asyncio.gather(*futures)
+        jobs = [batcher.submit(RowBlock.from_rows([r])) for r in rows]
+        outs = [torch.from_numpy(o.data) for o in await asyncio.gather(*(j.future for j in jobs))]
         await batcher.stop()
         return outs
 

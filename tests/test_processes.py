@@ -23,11 +23,13 @@ from fastapi.testclient import TestClient
 
 from patchserve.patches.store import open_registry
 from patchserve.server.app import create_app
+from patchserve.server.engine.batcher import OverloadedError
 from patchserve.server.engine.local import LocalEngine
 from patchserve.server.engine.patch_cache import PatchCache
 from patchserve.server.engine.process import EngineServer, engine_info
-from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.protocol import Cancel, Row, encode
 from patchserve.server.engine.remote import RemoteEngine
+from patchserve.server.engine.rows import pack_requests
 from patchserve.server.metrics import Metrics
 from patchserve.server.settings import ServerSettings, available_cpus
 from tests.helpers import free_port, make_patch, patchserve_process, wait_ready
@@ -270,6 +272,32 @@ def test_an_engine_that_keeps_dying_stops_serve_with_status_1(tmp_path, tiny_ber
     assert "died 6 times" in server.log.read_text()
 
 
+@contextlib.asynccontextmanager
+async def _engine_in_process(tmp_path: Path, settings: ServerSettings, cache: PatchCache):
+    """The engine process's server on this event loop (an EngineServer over a LocalEngine) and a front end's
+    RemoteEngine connected to it; both stopped on the way out."""
+    from patchserve.patches.encoder import load_encoder
+
+    encoder = load_encoder(settings.model)
+    engine = LocalEngine(encoder, settings, Metrics())
+    info = engine_info(engine, encoder.spec, encoder.source, encoder.max_positions, encoder.default_pooling)
+    server = EngineServer(engine, encoder.spec, info, cache, settings.max_patch_bytes)
+    address = f"ipc://{tmp_path}/engine"
+    stop, bound = asyncio.Event(), asyncio.Event()
+    engine.start()
+    serving = asyncio.ensure_future(server.serve(address, stop, bound))
+    await bound.wait()
+    remote = RemoteEngine(address)
+    await remote.connect(timeout=10)
+    try:
+        yield server, remote
+    finally:
+        await remote.close()
+        stop.set()
+        await serving
+        await engine.stop()
+
+
 def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_path, tiny_bert_dir, tiny_encoder):
     """The engine keeps a byte-bounded cache of the patches it was sent (here: room for one); a request for one it
     evicted is answered Missing, and the front end sends it again with the bytes."""
@@ -286,40 +314,93 @@ def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_
     expected = {p.patch_id: [o.numpy().copy() for o in reference.runner.run(rows(p))] for p in patches}
 
     async def scenario() -> list[str]:
-        encoder = load_encoder(str(tiny_bert_dir))
-        spec = encoder.spec
-        engine = LocalEngine(encoder, settings, Metrics())
-        info = engine_info(engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling)
-        server = EngineServer(engine, spec, info, PatchCache(1), settings.max_patch_bytes)
-        address = f"ipc://{tmp_path}/engine"
-        stop, bound = asyncio.Event(), asyncio.Event()
-        engine.start()
-        serving = asyncio.ensure_future(server.serve(address, stop, bound))
-        await bound.wait()
-        remote = RemoteEngine(address)
-        assert (await remote.connect(timeout=10)).fingerprint == spec.fingerprint
+        async with _engine_in_process(tmp_path, settings, PatchCache(1)) as (_, remote):
+            return await _travel(remote)
+
+    async def _travel(remote: RemoteEngine) -> list[str]:
+        assert remote.info is not None and remote.info.fingerprint == tiny_encoder.spec.fingerprint
         sent: list[str] = []
-        ask = remote._ask
+        transmit = remote._transmit
 
-        async def spy(rid, wire, sending):
-            sent.extend(sending)
-            return await ask(rid, wire, sending)
+        def spy(mid, msg):
+            sent.extend(msg.patches)
+            return transmit(mid, msg)
 
-        remote._ask = spy  # type: ignore[method-assign]
+        remote._transmit = spy  # type: ignore[method-assign]
         for p in [*patches, patches[0], patches[0]]:
             outputs = await remote.run(rows(p))
             for got, want in zip(outputs, expected[p.patch_id], strict=True):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        await remote.close()
-        stop.set()
-        await serving
-        await engine.stop()
         return sent
 
     sent = asyncio.run(scenario())
     ids_sent = [p.patch_id for p in patches]
     # each once on first use; t0 again after the cache evicted it (Missing, then resent); then held
     assert sent == [*ids_sent, ids_sent[0]]
+
+
+def test_requests_of_one_turn_go_out_as_one_message(tmp_path, tiny_bert_dir, tiny_encoder):
+    """Requests a front end makes in one turn of its event loop travel as one message of arrays and come back as
+    one: each gets its own rows' outputs (logits, embeddings, the base encoder's, tags), as the engine in process
+    gives them; a cancelled request's rows are dropped while the others in its message are answered; and when the
+    engine's queue has room for only the first requests of a message, the others are answered 503."""
+    from patchserve.patches.encoder import load_encoder
+
+    patches = [make_patch(tiny_encoder, f"t{i}", seed=i + 1) for i in range(3)]
+    tagger = make_patch(tiny_encoder, "tags", seed=9, kind="token-classification")
+    settings = ServerSettings(
+        model=str(tiny_bert_dir), device="cpu", slots=8, max_queue_rows=24, max_inputs_per_request=4
+    )
+    reference = LocalEngine(load_encoder(str(tiny_bert_dir)), settings, Metrics())
+    ids = tiny_encoder.tokenizer(TEXTS)["input_ids"]
+
+    def rows(patch, output="logits"):
+        return [Row(list(i), [0] * len(i), patch, output) for i in ids]
+
+    requests = [rows(p) for p in patches] + [rows(tagger), rows(patches[0], "embedding"), rows(None, "embedding")]
+    expected = [[o.numpy().copy() for o in reference.runner.run(r)] for r in requests]
+
+    async def scenario():
+        async with _engine_in_process(tmp_path, settings, PatchCache(2**20)) as (server, remote):
+            return await _messages(server, remote)
+
+    async def _messages(server: EngineServer, remote: RemoteEngine):
+        messages: list[int] = []
+        transmit = remote._transmit
+
+        def spy(mid, msg):
+            messages.append(len(msg.counts) // 4)
+            return transmit(mid, msg)
+
+        remote._transmit = spy  # type: ignore[method-assign]
+        got = await asyncio.gather(*(remote.run(r) for r in requests))  # 6 requests, 4 rows each, one turn
+        one_turn = list(messages)
+        calls = [asyncio.ensure_future(remote.run(r)) for r in requests[:3]]
+        await asyncio.sleep(0)  # the message is out; now the middle request's client goes away
+        calls[1].cancel()
+        kept = await asyncio.gather(calls[0], calls[2])
+        # in the engine: a Cancel drops that request's rows of its message, and only those
+        answers = []
+        send = server._send
+        server._send = lambda ident, msg: answers.append(msg) if ident == b"peer" else send(ident, msg)
+        server._on_message([b"peer", encode(pack_requests(100, requests[:3], {}))])
+        server._on_message([b"peer", encode(Cancel(101))])
+        await server._inflight[b"peer", 100].future
+        dropped = np.concatenate([np.frombuffer(a.sizes, "<i4") for a in sorted(answers, key=lambda a: a.first)])
+        assert sum(a.count for a in answers) == 3
+        # the queue holds 24 rows: of 7 requests of 4 rows sent together, the first 6 are taken, the 7th refused
+        tried = await asyncio.gather(*(remote.run(r) for r in [*requests, requests[0]]), return_exceptions=True)
+        return got, one_turn, kept, tried, dropped
+
+    got, one_turn, kept, tried, dropped = asyncio.run(scenario())
+    assert [int(n > 0) for n in dropped] == [1] * 4 + [0] * 4 + [1] * 4
+    assert one_turn == [6], "the requests of one turn did not go out as one message"
+    for outputs, want in zip([*got, *kept], [*expected, expected[0], expected[2]], strict=True):
+        for g, w in zip(outputs, want, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert not any(isinstance(t, Exception) for t in tried[:6]), tried
+    assert isinstance(tried[6], OverloadedError), tried[6]
 
 
 def test_default_front_ends_and_engine_threads_follow_the_cores(monkeypatch):

@@ -8,13 +8,14 @@ heads in one bank, CUDA graphs on a GPU) for BERT encoders, and the slotted Hugg
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from patchserve.patches.format import Patch
-from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock, RowOutputs
 
 
 @dataclass
@@ -22,8 +23,8 @@ class Pending:
     """A launched batch: its outputs, or where they will land once ``done`` has happened."""
 
     patch_ids: list[str]  # the patches whose slots stay pinned until the batch is finished
-    outputs: list[torch.Tensor] | None = None  # ready (the slotted engine runs synchronously)
-    rows: list[Row] = field(default_factory=list)
+    outputs: RowOutputs | None = None  # ready (the slotted engine runs synchronously)
+    block: RowBlock | None = None
     host: torch.Tensor | None = None  # flat float32 outputs on the host (pinned on CUDA)
     width: int = 0  # hidden + head width of the pooled table
     done: torch.cuda.Event | None = None
@@ -44,10 +45,11 @@ class Backend(Protocol):
         """Write each patch into its slot (bias banks and head)."""
         ...
 
-    def launch(self, rows: Sequence[Row], row_slots: Sequence[int], patch_ids: list[str]) -> Pending:
-        """Start ``rows`` (each with its slot) on the device; on a GPU it may return before the device finishes."""
+    def launch(self, block: RowBlock, row_slots: np.ndarray, patch_ids: list[str]) -> Pending:
+        """Start the rows of ``block`` (each with its slot) on the device; on a GPU it may return before the device
+        finishes."""
         ...
 
-    def finish(self, pending: Pending) -> list[torch.Tensor]:
-        """Wait for a launched batch and return one float32 CPU tensor per row."""
+    def finish(self, pending: Pending) -> RowOutputs:
+        """Wait for a launched batch and return its rows' float32 outputs."""
         ...

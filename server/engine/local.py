@@ -7,7 +7,6 @@ The server runs it in its own process with ``--workers 0``; with ``--workers N``
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -17,6 +16,7 @@ from patchserve.patches.encoder import Encoder
 from patchserve.patches.format import Patch
 from patchserve.server.engine.batcher import Batcher, BatchStats
 from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
 from patchserve.server.metrics import Metrics
 from patchserve.server.settings import ServerSettings
@@ -75,8 +75,8 @@ class LocalEngine:
     async def run(self, rows: Sequence[Row]) -> list[np.ndarray]:
         """Each row's output (float32: logits, per-token logits or an embedding). Cancelling the call drops the rows
         that have not reached the device."""
-        outputs = await asyncio.gather(*self.batcher.submit(rows))
-        return [t.numpy() for t in outputs]
+        outputs = await self.batcher.submit(RowBlock.from_rows(rows)).future
+        return outputs.split([len(r.input_ids) for r in rows], [r.tags for r in rows])
 
     def _observe(self, stats: BatchStats) -> None:
         self.metrics.observe_batch(stats)

@@ -3,10 +3,10 @@ head in banks gathered per row, one batch a fixed sequence of device ops that CU
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -15,7 +15,7 @@ from patchserve.patches.packed import POOL_MODES, HeadBank, PackedBert
 from patchserve.patches.packed_layout import add_exact_attention, batch_views, fill_layout, layout_size
 from patchserve.server.engine.backend import Pending
 from patchserve.server.engine.graphs import GraphSet
-from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock, RowOutputs, gather_rows
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +87,18 @@ class PackedBackend:
         for slot, patch in items:
             self.head_bank.write(slot, patch.head_weight, patch.head_bias)
 
-    def launch(self, rows: Sequence[Row], row_slots: Sequence[int], patch_ids: list[str]) -> Pending:
-        """One forward of ``rows``: pooled vectors and head logits of every row, per-token logits of tagging rows,
+    def launch(self, block: RowBlock, row_slots: np.ndarray, patch_ids: list[str]) -> Pending:
+        """One forward of ``block``: pooled vectors and head logits of every row, per-token logits of tagging rows,
         copied to the host in one transfer (waited for here, or with ``overlap`` on CUDA in ``finish``)."""
-        ids = [r.input_ids for r in rows]
-        types = [r.token_type_ids for r in rows]
-        lengths = [len(x) for x in ids]
-        modes = [POOL_MODES[self.base_pooling if r.patch is None else r.patch.meta.pooling] for r in rows]
-        n_real, n_rows = sum(lengths), len(rows)
+        lengths = block.lengths
+        modes = block.per_patch([POOL_MODES[p.meta.pooling] for p in block.patches], POOL_MODES[self.base_pooling])
+        n_real, n_rows = block.n_tokens, len(block)
         cuda = self.device.type == "cuda"
         bucket = self.graphs.bucket(n_real, n_rows) if self.graphs is not None else None
         graphed = None
         if self.graphs is not None and bucket is not None:
             staging = self.graphs.staging(bucket)
-            fill_layout(staging.numpy(), ids, types, list(row_slots), modes, bucket, self.graphs.rows, self.fill_slot)
+            fill_layout(staging.numpy(), block, row_slots, modes, bucket, self.graphs.rows, self.fill_slot)
             try:
                 graphed = self.graphs.run(bucket, staging)
             except RuntimeError as exc:  # a capture this torch/driver cannot do: serve eagerly from now on
@@ -109,50 +107,50 @@ class PackedBackend:
             hidden, pooled = graphed
         else:
             flat = torch.empty(layout_size(n_real, n_rows), dtype=torch.int32, pin_memory=cuda)
-            fill_layout(flat.numpy(), ids, types, list(row_slots), modes, n_real, n_rows, self.fill_slot)
-            batch = batch_views(flat.to(self.device, non_blocking=True), n_real, n_rows, max(lengths))
+            fill_layout(flat.numpy(), block, row_slots, modes, n_real, n_rows, self.fill_slot)
+            batch = batch_views(flat.to(self.device, non_blocking=True), n_real, n_rows, int(lengths.max()))
             if self.attention == "exact":
-                add_exact_attention(batch, lengths)
+                add_exact_attention(batch, lengths.tolist())
             hidden = self.packed.encode(batch, self.attention)
             pooled = self.packed.pool(hidden, batch, self.head_bank)
         pooled = pooled[:n_rows]
-        tagging = [i for i, r in enumerate(rows) if r.tags]
+        tags = block.tags()
         parts = [pooled.flatten()]
-        if tagging:  # per-token logits of the tagging rows only, from the same bank of heads
-            starts = [0, *itertools.accumulate(lengths)]
-            tokens = [t for i in tagging for t in range(starts[i], starts[i + 1])]
-            tok_slots = [row_slots[i] for i in tagging for _ in range(lengths[i])]
-            idx = torch.tensor([tokens, tok_slots], dtype=torch.long).to(self.device)
+        if tags.any():  # per-token logits of the tagging rows only, from the same bank of heads
+            mask = block.token_mask(tags)
+            tokens = np.flatnonzero(mask)
+            tok_slots = np.repeat(row_slots, lengths)[mask]
+            idx = torch.from_numpy(np.stack([tokens, tok_slots])).to(self.device)
             parts.append(self.packed.tag(hidden, idx[0], idx[1], self.head_bank).flatten())
         flat_out = torch.cat(parts).float()
         width = int(pooled.shape[1])
+        pending = Pending(patch_ids, block=block, width=width)
         if not (cuda and self.overlap):  # the batch's one device-to-host copy, waited for here
-            return Pending(patch_ids, rows=list(rows), host=flat_out.cpu(), width=width)
-        host = torch.empty(flat_out.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(flat_out, non_blocking=True)  # the batch's one device-to-host copy, waited for in finish()
-        done = torch.cuda.Event()
-        done.record()
-        return Pending(patch_ids, rows=list(rows), host=host, width=width, done=done)
+            pending.host = flat_out.cpu()
+            return pending
+        pending.host = torch.empty(flat_out.shape, dtype=torch.float32, pin_memory=True)
+        pending.host.copy_(flat_out, non_blocking=True)  # the batch's one device-to-host copy, waited for in finish()
+        pending.done = torch.cuda.Event()
+        pending.done.record()
+        return pending
 
-    def finish(self, pending: Pending) -> list[torch.Tensor]:
-        """Each row's output from the batch's flat host copy: its pooled vector (an embedding, or a row without a
-        patch), its per-token logits (tagging) or its head's logits."""
+    def finish(self, pending: Pending) -> RowOutputs:
+        """Each row's output from the batch's flat host copy, in one gather: its pooled vector (an embedding, or a
+        row without a patch), its per-token logits (tagging) or its head's logits."""
         if pending.done is not None:
             pending.done.synchronize()
-        rows, host, width, h = pending.rows, pending.host, pending.width, self.packed.hidden
-        assert host is not None
-        n_rows = len(rows)
-        table = host[: n_rows * width].view(n_rows, width)
-        results: list[torch.Tensor] = []
-        tag_at, tag_width = n_rows * width, width - h
-        for i, r in enumerate(rows):
-            if r.output == "embedding" or r.patch is None:
-                results.append(table[i, :h].clone())
-            elif r.tags:
-                n_out, k = r.patch.head_weight.shape[0], len(r.input_ids)
-                block = host[tag_at : tag_at + k * tag_width].view(k, tag_width)
-                results.append(block[:, :n_out].clone())
-                tag_at += k * tag_width
-            else:
-                results.append(table[i, h : h + r.patch.head_weight.shape[0]].clone())
-        return results
+        block, host, width, h = pending.block, pending.host, pending.width, self.packed.hidden
+        assert host is not None and block is not None
+        n_rows = len(block)
+        n_out = block.per_patch([p.head_weight.shape[0] for p in block.patches], 0)
+        pooled = block.embed | (block.keys < 0)
+        tags = block.tags()
+        row = np.arange(n_rows, dtype=np.int64)
+        base = row * width + np.where(pooled, 0, h)
+        n_lines = np.where(tags, block.lengths, 1)
+        line = np.where(pooled, h, n_out)
+        tag_width = width - h
+        tag_tokens = np.where(tags, block.lengths, 0)
+        tag_first = n_rows * width + (np.cumsum(tag_tokens) - tag_tokens) * tag_width
+        base = np.where(tags, tag_first, base)
+        return gather_rows(host.numpy(), base, n_lines, line, np.full(n_rows, tag_width, dtype=np.int64))

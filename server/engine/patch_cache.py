@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from patchserve.patches.format import Patch
 
@@ -23,6 +24,18 @@ class PatchCache:
             if patch is not None:
                 self._items.move_to_end(patch_id)
             return patch
+
+    def get_all(self, patch_ids: Iterable[str]) -> dict[str, Patch] | None:
+        """Every patch of ``patch_ids``, or None when one of them is not held (one lock for all of them)."""
+        found: dict[str, Patch] = {}
+        with self._lock:
+            for pid in patch_ids:
+                patch = self._items.get(pid)
+                if patch is None:
+                    return None
+                self._items.move_to_end(pid)
+                found[pid] = patch
+        return found
 
     def put(self, patch: Patch) -> None:
         size = len(patch.data)

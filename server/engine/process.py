@@ -1,6 +1,7 @@
 """The engine process (``patchserve serve --workers N``): the one process that owns the device. It runs the runner
 and the batcher (``LocalEngine``) and serves the front ends over ZeroMQ (``server/engine/protocol.py``): token rows
-of any tasks come in, float32 outputs go back, batched together whichever front end sent them.
+of any tasks come in as arrays, a message at a time, float32 outputs go back the same way, batched together whichever
+front end sent them.
 
 Patches arrive by id. The engine keeps the patches it was sent in a byte-bounded cache and answers ``Missing`` for
 one it does not hold, so it never reads the registry to serve (a front end that resolved a task sends what it
@@ -23,10 +24,12 @@ import os
 import signal
 import sys
 import uuid
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -35,7 +38,7 @@ from patchserve.patches.errors import PatchError, PatchServeError
 from patchserve.patches.format import BaseSpec, Patch
 from patchserve.patches.store import open_registry
 from patchserve.server.catalog import Catalog
-from patchserve.server.engine.batcher import OverloadedError
+from patchserve.server.engine.batcher import Job
 from patchserve.server.engine.channel import Channel
 from patchserve.server.engine.local import LocalEngine
 from patchserve.server.engine.patch_cache import PatchCache
@@ -44,14 +47,14 @@ from patchserve.server.engine.protocol import (
     Cancel,
     Failed,
     Hello,
-    Infer,
     Info,
     Missing,
-    Outputs,
-    Row,
+    Requests,
+    Results,
     encode,
     to_engine,
 )
+from patchserve.server.engine.rows import RowOutputs, results_message, unpack_requests
 from patchserve.server.engine.slots import SlotsExhaustedError
 from patchserve.server.metrics import Metrics
 from patchserve.server.settings import ServerSettings
@@ -68,12 +71,34 @@ class Startup(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+@dataclass
+class _InFlight:
+    """A ``Requests`` message the engine has taken: its requests' rows in the batcher (``job``; None while its
+    patches are parsed) and where each request's rows start (``bounds``, so one can be cancelled)."""
+
+    future: asyncio.Future[Any]
+    n_requests: int
+    job: Job | None = None
+    bounds: np.ndarray | None = None
+    dropped: list[int] = field(default_factory=list)  # requests cancelled while the patches were parsed
+    answered: int = 0  # requests before it were answered
+    refused: int = 0  # the message's last requests, not taken (the queue was full)
+
+    def drop(self, i: int) -> None:
+        """Drop request ``i``'s rows that have not run."""
+        if self.job is None or self.bounds is None:
+            self.dropped.append(i)
+        else:
+            self.job.drop(slice(int(self.bounds[i]), int(self.bounds[i + 1])))
+
+
 class EngineServer:
     """Serves one ``LocalEngine`` to the front ends connected to a ROUTER socket.
 
-    A request whose patches are all at hand goes to the batcher straight from the receive callback, and its answer
-    is sent from the callback of its rows' futures: no task per request. One that brings patch bytes waits for them
-    to be parsed (off the loop) first."""
+    A message whose patches are all at hand goes to the batcher straight from the receive callback as one job, and
+    its requests are answered from the batcher's callbacks as they finish, batch by batch: no task per message, and
+    no Python per row. One that
+    brings patch bytes waits for them to be parsed (off the loop) first."""
 
     def __init__(self, engine: LocalEngine, spec: BaseSpec, info: Info, cache: PatchCache, max_patch_bytes: int):
         self.engine = engine
@@ -81,7 +106,7 @@ class EngineServer:
         self.info = info
         self.cache = cache
         self.max_patch_bytes = max_patch_bytes
-        self._inflight: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
+        self._inflight: dict[tuple[bytes, int], _InFlight] = {}
         self._parsing: dict[str, asyncio.Task[Patch]] = {}
         self._channel: Channel | None = None
 
@@ -100,8 +125,8 @@ class EngineServer:
             await stop.wait()
         finally:
             if self._inflight:
-                log.info("engine: draining %d requests", len(self._inflight))
-                await asyncio.wait(list(self._inflight.values()), timeout=60)
+                log.info("engine: draining %d messages", len(self._inflight))
+                await asyncio.wait([m.future for m in self._inflight.values()], timeout=60)
             self._channel.close()
             ctx.term()
 
@@ -112,65 +137,90 @@ class EngineServer:
         except msgspec.DecodeError as exc:  # a bug or a stranger on the socket: say so, keep serving
             log.error("engine: undecodable message from a front end: %s", exc)
             return
-        if isinstance(msg, Infer):
+        if isinstance(msg, Requests):
             found = self._held(msg)
             if found is None:
-                self._track(ident, msg.id, asyncio.ensure_future(self._infer_after_parsing(ident, msg)))
+                task = asyncio.ensure_future(self._infer_after_parsing(ident, msg))
+                self._track(ident, msg.id, _InFlight(task, len(msg.counts) // 4))
             else:
                 self._submit(ident, msg, found)
         elif isinstance(msg, Cancel):
-            running = self._inflight.get((ident, msg.id))
-            if running is not None:
-                running.cancel()  # its rows are dropped before they reach the device
+            self._cancel(ident, msg.id)
         elif isinstance(msg, Hello):
             self._send(ident, self.info)
 
-    def _send(self, ident: bytes, msg: Info | Outputs | Missing | Failed) -> None:
+    def _cancel(self, ident: bytes, rid: int) -> None:
+        """Drop the rows of request ``rid`` that have not run (its message goes on: the others still wait)."""
+        for (who, first), m in self._inflight.items():
+            if who == ident and first <= rid < first + m.n_requests:
+                m.drop(rid - first)
+                self.engine.batcher.wake()
+                return
+
+    def _send(self, ident: bytes, msg: Info | Results | Missing | Failed) -> None:
         assert self._channel is not None
         self._channel.send([ident, encode(msg)])  # a ROUTER drops what it cannot deliver (a gone front end)
 
-    def _track(self, ident: bytes, rid: int, future: asyncio.Future[Any]) -> None:
+    def _track(self, ident: bytes, rid: int, m: _InFlight) -> None:
         key = (ident, rid)
-        self._inflight[key] = future
-        future.add_done_callback(lambda _: self._inflight.pop(key, None))
+        self._inflight[key] = m
+        m.future.add_done_callback(lambda _: self._inflight.pop(key, None) if self._inflight.get(key) is m else None)
 
-    def _held(self, msg: Infer) -> dict[str, Patch] | None:
-        """The request's patches when every one is in the cache and it brings no bytes; else None."""
+    def _held(self, msg: Requests) -> dict[str, Patch] | None:
+        """The message's patches when every one is in the cache and it brings no bytes; else None."""
         if msg.patches:
             return None
-        found = {}
-        for pid in {r.key for r in msg.rows if r.key != BASE_KEY}:
-            patch = self.cache.get(pid)
-            if patch is None:
-                return None
-            found[pid] = patch
-        return found
+        return self.cache.get_all(pid for pid in msg.keys if pid != BASE_KEY)
 
-    def _submit(self, ident: bytes, msg: Infer, patches: dict[str, Patch]) -> None:
-        rows = [Row(r.input_ids, r.token_type_ids, patches.get(r.key), r.output) for r in msg.rows]
+    def _submit(self, ident: bytes, msg: Requests, patches: dict[str, Patch]) -> None:
         try:
-            futures = self.engine.batcher.submit(rows)
-        except OverloadedError as exc:
-            self._send(ident, Failed(msg.id, 503, str(exc)))
+            block, counts = unpack_requests(msg, patches)
+        except ValueError as exc:
+            self._send(ident, Failed(msg.id, 400, f"a malformed message: {exc}"))
             return
-        gathered = asyncio.gather(*futures)
-        self._track(ident, msg.id, gathered)
-        gathered.add_done_callback(functools.partial(self._answer, ident, msg.id))
+        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        batcher = self.engine.batcher
+        fit = int(np.searchsorted(bounds, batcher.max_queue_rows - batcher.queued_rows, side="right")) - 1
+        if fit < len(counts):  # the queue has room for the first `fit` requests only: refuse the others (503)
+            if fit <= 0:
+                self._send(ident, Failed(msg.id, 503, f"{batcher.queued_rows} rows are queued; retry shortly"))
+                return
+            block, counts, bounds = block.take(np.arange(bounds[fit])), counts[:fit], bounds[: fit + 1]
+        job = batcher.submit(block)
+        parsed = self._inflight.get((ident, msg.id))
+        m = _InFlight(job.future, len(counts), job, bounds, refused=len(msg.counts) // 4 - len(counts))
+        for i in [] if parsed is None else parsed.dropped:
+            if i < len(counts):
+                m.drop(i)
+        self._track(ident, msg.id, m)
+        job.on_progress = functools.partial(self._progress, ident, msg.id, m)
+        job.future.add_done_callback(functools.partial(self._answer, ident, msg.id, m))
 
-    def _answer(self, ident: bytes, rid: int, gathered: asyncio.Future[list[torch.Tensor]]) -> None:
-        if gathered.cancelled():
-            return  # the front end cancelled (client gone, timeout): nobody waits for an answer
-        exc = gathered.exception()
-        if exc is None:
-            outputs = gathered.result()
-            data = b"".join(o.numpy().tobytes() for o in outputs)  # float32 CPU tensors, little-endian
-            self._send(ident, Outputs(rid, data, [list(o.shape) for o in outputs]))
+    def _progress(self, ident: bytes, rid: int, m: _InFlight, job: Job) -> None:
+        """A batch finished: answer the requests of the message whose rows have all run (they finish in order)."""
+        assert m.bounds is not None
+        k = int(np.searchsorted(m.bounds, job.done, side="right")) - 1
+        if k > m.answered:
+            outputs = job.collect(int(m.bounds[k]))
+            self._send(ident, results_message(rid, m.answered, k - m.answered, outputs, m.refused))
+            m.answered = k
+
+    def _answer(self, ident: bytes, rid: int, m: _InFlight, done: asyncio.Future[RowOutputs]) -> None:
+        if done.cancelled():
+            return  # nobody waits for an answer
+        exc = done.exception()
+        if exc is None:  # what _progress did not answer yet (requests whose rows were all dropped)
+            if m.answered < m.n_requests or (m.refused and not m.answered):
+                outputs = done.result()
+                self._send(ident, results_message(rid, m.answered, m.n_requests - m.answered, outputs, m.refused))
+                m.answered = m.n_requests
         elif isinstance(exc, SlotsExhaustedError):
             self._send(ident, Failed(rid, 503, f"{exc}; retry shortly"))
         else:  # a failed batch fails its requests, never the engine (the batcher has logged it)
             self._send(ident, Failed(rid, 500, f"the engine failed to run the request: {exc}"))
 
-    async def _infer_after_parsing(self, ident: bytes, msg: Infer) -> None:
+    async def _infer_after_parsing(self, ident: bytes, msg: Requests) -> None:
         try:
             patches = await self._patches(msg)
         except PatchError as exc:
@@ -181,11 +231,11 @@ class EngineServer:
             return
         self._submit(ident, msg, patches)
         running = self._inflight.get((ident, msg.id))
-        if running is not None:  # keep this task in flight (cancellable) until the answer is out
+        if running is not None:  # keep this task in flight until the answer is out
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(running)
+                await asyncio.shield(running.future)
 
-    async def _patches(self, msg: Infer) -> dict[str, Patch] | Missing:
+    async def _patches(self, msg: Requests) -> dict[str, Patch] | Missing:
         """The patches ``msg`` names, from the cache or the bytes it carries; ``Missing`` for those it lacks."""
         for pid, data in msg.patches.items():
             if self.cache.get(pid) is None and pid not in self._parsing:
@@ -193,7 +243,9 @@ class EngineServer:
                 self._parsing[pid].add_done_callback(functools.partial(self._parsed, pid))
         found: dict[str, Patch] = {}
         missing: list[str] = []
-        for pid in {r.key for r in msg.rows if r.key != BASE_KEY}:
+        for pid in msg.keys:
+            if pid == BASE_KEY:
+                continue
             patch = self.cache.get(pid)
             if patch is None and pid in self._parsing:  # shielded: other requests may wait for the same parse
                 patch = await asyncio.shield(self._parsing[pid])

@@ -1,13 +1,14 @@
-"""The engine's message types: a ``Row`` (one tokenised input for one task, what the batcher queues and the runner
-runs), and the contract between the HTTP front ends and the engine process: msgspec structs, sent as MessagePack
-over a ZeroMQ DEALER (each front end) / ROUTER (the engine) pair. Never pickle: every message is one of the structs
-below, decoded strictly.
+"""The engine's message types: a ``Row`` (one tokenised input for one task, the form a single row takes where it is
+handled, tokenised), and the contract between the HTTP front ends and the engine process: msgspec structs, sent as
+MessagePack over a ZeroMQ DEALER (each front end) / ROUTER (the engine) pair. Never pickle: every message is one of
+the structs below, decoded strictly.
 
-Front end -> engine: ``Hello`` (answered by ``Info``), ``Infer`` (answered by ``Outputs``, ``Missing`` or
-``Failed``, with the same ``id``) and ``Cancel`` (the client went away or timed out: its rows are dropped before
-they reach the device). A row names its patch by id; the engine keeps the patches it was sent in a cache of its own,
-so a front end sends a patch's bytes once, with the first request that needs it, and again only when the engine
-answers ``Missing`` (it restarted, or evicted the patch).
+Front end -> engine: ``Hello`` (answered by ``Info``), ``Requests`` (every request a front end has pending in one
+turn of its event loop, rows as arrays; answered by ``Results`` as its requests finish, or by one ``Missing`` or
+``Failed``, with the same ``id``) and ``Cancel`` (one request's client went away or timed out: its rows are dropped
+before they reach the device). A row names its patch by id; the engine keeps the patches it was sent in a cache of
+its own, so a front end sends a patch's bytes once, with the first request that needs it, and again only when the
+engine answers ``Missing`` (it restarted, or evicted the patch).
 """
 
 from __future__ import annotations
@@ -57,27 +58,29 @@ class Row:
         return self.output == "logits" and self.patch is not None and self.patch.meta.kind == "token-classification"
 
 
-class RowIn(msgspec.Struct, array_like=True, frozen=True):
-    """One tokenised input: its ids, token types, the patch it runs with (``BASE_KEY``: none) and what it asks
-    for (``logits`` or ``embedding``)."""
-
-    input_ids: list[int]
-    token_type_ids: list[int]
-    key: str
-    output: str = "logits"
-
-
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
     """A front end (re)connected: the engine answers with ``Info``."""
 
 
-class Infer(msgspec.Struct, tag="infer", array_like=True, frozen=True):
+class Requests(msgspec.Struct, tag="requests", array_like=True, frozen=True):
+    """Requests of one front end sent together (what it had pending in one turn of its event loop), their rows as
+    little-endian arrays (``rows.py`` packs and unpacks them). Request ``i`` has the id ``id + i`` and the next
+    ``counts[i]`` rows; row ``j`` has ``lengths[j]`` tokens and runs with ``keys[row_keys[j]]``."""
+
     id: int
-    rows: list[RowIn]
+    counts: bytes  # int32 [requests]: rows of each request
+    lengths: bytes  # int32 [rows]: tokens of each row
+    tokens: bytes  # int32 [tokens]: the rows' input ids, one after the other
+    types: bytes  # int32 [tokens]: their token type ids
+    keys: list[str]  # the patch ids the rows name (BASE_KEY: the base encoder)
+    row_keys: bytes  # int32 [rows]: each row's index into keys
+    embed: bytes  # uint8 [rows]: 1 where the row asks for its pooled embedding, 0 for its head's logits
     patches: dict[str, bytes] = {}  # patch id -> canonical patch bytes, for patches the engine may not hold
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
+    """The request with this id is no longer waited for: its rows that have not run yet are dropped."""
+
     id: int
 
 
@@ -101,31 +104,39 @@ class Info(msgspec.Struct, tag="info", array_like=True, frozen=True):
     lora_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the LoRA sites: [out, in]
 
 
-class Outputs(msgspec.Struct, tag="outputs", array_like=True, frozen=True):
-    """One float32 array per row, concatenated (little-endian) in ``data``, each of its ``shapes`` entry."""
+class Results(msgspec.Struct, tag="results", array_like=True, frozen=True):
+    """Answers to ``count`` requests of a ``Requests`` message (same ``id``), from its request ``first`` on: a message
+    is answered batch by batch, as its requests finish (in order). Their rows' float32 values are in ``data``, one
+    after the other, ``sizes`` (int32, one per row) of them each; a dropped row (cancelled) has none.
+    Little-endian. The last ``refused`` requests of the message were not taken (the engine's queue was full):
+    answer them 503."""
 
     id: int
+    first: int
+    count: int
     data: bytes
-    shapes: list[list[int]]
+    sizes: bytes
+    refused: int = 0
 
 
 class Missing(msgspec.Struct, tag="missing", array_like=True, frozen=True):
-    """The engine holds none of these patches: send the request again with their bytes."""
+    """The engine holds none of these patches: send the ``Requests`` message again with their bytes."""
 
     id: int
     patch_ids: list[str]
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
-    """The request failed: the HTTP status it should be answered with and a message that says what to do."""
+    """Every request of the ``Requests`` message failed: the HTTP status they should be answered with and a message
+    that says what to do."""
 
     id: int
     status: int
     message: str
 
 
-ToEngine = Hello | Infer | Cancel
-FromEngine = Info | Outputs | Missing | Failed
+ToEngine = Hello | Requests | Cancel
+FromEngine = Info | Results | Missing | Failed
 
 encode = msgspec.msgpack.Encoder().encode
 to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -1,8 +1,9 @@
 """A front end's handle on the engine process: ``run(rows)`` as ``LocalEngine`` has it, over a ZeroMQ DEALER socket.
 
-Each request is one ``Infer`` message and one answer. The patches a request runs with travel by id; their bytes go
-along the first time this front end names them to the engine it is connected to, and again whenever the engine says
-it lacks them (it restarted, or its patch cache evicted them). A socket monitor follows the connection: when the
+The requests made in one turn of the event loop go out together, as one ``Requests`` message of arrays, and come
+back as one ``Results`` message. The patches a request runs with travel by id; their bytes go along the first time
+this front end names them to the engine it is connected to, and again whenever the engine says it lacks them (it
+restarted, or its patch cache evicted them). A socket monitor follows the connection: when the
 engine process goes away, every request waiting on it fails at once with ``EngineUnavailableError`` (503), and new
 ones are refused (503, Retry-After) until it is back -- nothing waits for an answer that cannot come.
 """
@@ -10,15 +11,16 @@ ones are refused (503, Retry-After) until it is back -- nothing waits for an ans
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from patchserve.patches.format import Patch
 from patchserve.server.engine.batcher import OverloadedError
 from patchserve.server.engine.channel import Channel
 from patchserve.server.engine.protocol import (
@@ -27,19 +29,37 @@ from patchserve.server.engine.protocol import (
     EngineUnavailableError,
     Failed,
     Hello,
-    Infer,
     Info,
     Missing,
-    Outputs,
+    Requests,
+    Results,
     Row,
-    RowIn,
     encode,
     from_engine,
 )
+from patchserve.server.engine.rows import RowOutputs, pack_requests, unpack_results
 
 log = logging.getLogger(__name__)
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+MAX_MESSAGE_ROWS = 1024  # a front end's pending requests go out in messages of at most this many rows
+
+
+@dataclass
+class _Request:
+    rows: Sequence[Row]
+    future: asyncio.Future[list[np.ndarray]]
+    id: int = -1  # given when its message is sent
+
+
+@dataclass
+class _Message:
+    requests: list[_Request]
+    msg: Requests  # as sent (without patch bytes after the first send: kept to send again on Missing)
+    patches: dict[str, Patch]
+    answered: int = 0  # requests answered so far (a message is answered as its requests finish)
 
 
 class RemoteEngine:
@@ -47,8 +67,9 @@ class RemoteEngine:
         self.address = address
         self.info: Info | None = None
         self._ctx = zmq.Context()
-        self._pending: dict[int, asyncio.Future[Outputs | Missing | Failed]] = {}
-        self._ids = itertools.count()
+        self._outbox: list[_Request] = []  # requests of this turn of the event loop, sent together at its end
+        self._sent: dict[int, _Message] = {}  # message id -> what waits for its answer
+        self._next_id = 0
         self._known: set[str] = set()  # patch ids the connected engine was sent (it may have evicted some since)
         self._connected = False
         self._got_info = asyncio.Event()
@@ -99,42 +120,56 @@ class RemoteEngine:
         self._ctx.term()
 
     async def run(self, rows: Sequence[Row]) -> list[np.ndarray]:
-        """Each row's output, computed by the engine process. Cancelling the call cancels its rows there."""
-        rid = next(self._ids)
-        wire = [RowIn(r.input_ids, r.token_type_ids, r.key, r.output) for r in rows]
-        patches = {r.patch.patch_id: r.patch for r in rows if r.patch is not None}
-        try:
-            reply = await self._ask(rid, wire, {pid: p.data for pid, p in patches.items() if pid not in self._known})
-            if isinstance(reply, Missing):  # the engine lacks them: send them along this time
-                self._known.difference_update(reply.patch_ids)
-                reply = await self._ask(rid, wire, {pid: patches[pid].data for pid in reply.patch_ids})
-        except asyncio.CancelledError:
-            self._send(Cancel(rid))
-            raise
-        if isinstance(reply, Outputs):
-            flat = np.frombuffer(reply.data, dtype="<f4")
-            bounds = [0, *itertools.accumulate(math.prod(s) for s in reply.shapes)]
-            return [flat[a:b].reshape(s) for a, b, s in zip(bounds, bounds[1:], reply.shapes, strict=False)]
-        if isinstance(reply, Failed):
-            if reply.status == 503:
-                raise OverloadedError(reply.message)
-            raise EngineError(reply.status, reply.message)
-        raise EngineError(500, f"the engine still lacks patches {reply.patch_ids} after they were sent")
-
-    async def _ask(self, rid: int, rows: list[RowIn], patches: dict[str, bytes]) -> Outputs | Missing | Failed:
+        """Each row's output, computed by the engine process. The request goes out at the end of this turn of the
+        event loop, in one message with every other request made in it. Cancelling the call drops its rows
+        there."""
         if not self._connected:
             raise EngineUnavailableError(self.problem() or "")
-        future: asyncio.Future[Outputs | Missing | Failed] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
+        request = _Request(rows, asyncio.get_running_loop().create_future())
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(request)
         try:
-            if not self._send(Infer(rid, rows, patches)):
-                raise EngineUnavailableError(self.problem() or "the engine process is not reachable; retry")
-            self._known.update(patches)
-            return await future
-        finally:
-            self._pending.pop(rid, None)
+            return await request.future
+        except asyncio.CancelledError:
+            if request.id >= 0 and self._connected:
+                self._send(Cancel(request.id))
+            raise
 
-    def _send(self, msg: Hello | Infer | Cancel) -> bool:
+    def _flush(self) -> None:
+        """Send the requests made in this turn of the event loop: one message per MAX_MESSAGE_ROWS rows."""
+        waiting = [r for r in self._outbox if not r.future.done()]
+        self._outbox = []
+        chunk: list[_Request] = []
+        rows = 0
+        for request in waiting:
+            if chunk and rows + len(request.rows) > MAX_MESSAGE_ROWS:
+                self._post(chunk)
+                chunk, rows = [], 0
+            chunk.append(request)
+            rows += len(request.rows)
+        if chunk:
+            self._post(chunk)
+
+    def _post(self, requests: list[_Request]) -> None:
+        first = self._next_id
+        self._next_id += len(requests)
+        for i, request in enumerate(requests):
+            request.id = first + i
+        patches = {r.key: r.patch for q in requests for r in q.rows if r.patch is not None}
+        fresh = {pid: p.data for pid, p in patches.items() if pid not in self._known}
+        msg = pack_requests(first, [q.rows for q in requests], fresh)
+        self._sent[first] = _Message(requests, msgspec.structs.replace(msg, patches={}), patches)
+        self._transmit(first, msg)
+
+    def _transmit(self, mid: int, msg: Requests) -> None:
+        if not self._connected or not self._send(msg):
+            gone = EngineUnavailableError(self.problem() or "the engine is not reachable")
+            self._settle(self._sent.pop(mid).requests, gone)
+            return
+        self._known.update(msg.patches)
+
+    def _send(self, msg: Hello | Requests | Cancel) -> bool:
         """Send now; False when no engine is connected to take it."""
         assert self._channel is not None
         try:
@@ -153,9 +188,48 @@ class RemoteEngine:
             self._connected = True
             self._got_info.set()
             return
-        future = self._pending.get(msg.id)
-        if future is not None and not future.done():
-            future.set_result(msg)
+        sent = self._sent.get(msg.id)
+        if sent is None:
+            return
+        if isinstance(msg, Missing):  # the engine lacks them: send the message again, with them this time
+            if not set(msg.patch_ids) <= self._known:
+                lacking = EngineError(500, f"the engine lacks patches {msg.patch_ids}")
+                self._settle(self._sent.pop(msg.id).requests, lacking)
+                return
+            self._known.difference_update(msg.patch_ids)
+            again = {pid: sent.patches[pid].data for pid in msg.patch_ids if pid in sent.patches}
+            self._transmit(msg.id, msgspec.structs.replace(sent.msg, patches=again))
+            return
+        if isinstance(msg, Results):
+            answered = sent.requests[msg.first : msg.first + msg.count]
+            self._settle(answered, unpack_results(msg))
+            if msg.refused:
+                full = OverloadedError("the engine's queue is full; retry shortly")
+                self._settle(sent.requests[-msg.refused :], full)
+            sent.answered += msg.count
+            if sent.answered + msg.refused < len(sent.requests):
+                return  # more answers to come
+        del self._sent[msg.id]
+        if isinstance(msg, Failed):
+            failure = OverloadedError(msg.message) if msg.status == 503 else EngineError(msg.status, msg.message)
+            self._settle(sent.requests, failure)
+
+    @staticmethod
+    def _settle(requests: list[_Request], outcome: RowOutputs | Exception) -> None:
+        """Answer requests: their rows' outputs, one after the other, or the failure."""
+        if isinstance(outcome, Exception):
+            for request in requests:
+                if not request.future.done():
+                    request.future.set_exception(outcome)
+            return
+        offsets, at = outcome.offsets, 0
+        for request in requests:
+            n = len(request.rows)
+            if not request.future.done():
+                mine = RowOutputs(outcome.data[offsets[at] : offsets[at + n]], outcome.sizes[at : at + n])
+                lengths = [len(r.input_ids) for r in request.rows]
+                request.future.set_result(mine.split(lengths, [r.tags for r in request.rows]))
+            at += n
 
     def _on_event(self, frames: list[bytes]) -> None:
         """Follow the connection: on a disconnect, fail what waits; on a (re)connect, ask who the engine is."""
@@ -174,6 +248,6 @@ class RemoteEngine:
             self._send(Hello())
 
     def _fail_pending(self, exc: Exception) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(exc)
+        sent, self._sent = self._sent, {}
+        for message in sent.values():
+            self._settle(message.requests, exc)

@@ -3,7 +3,8 @@
 The backend is the packed engine (``packed_backend.py``: padding-free, folded bias banks, heads in one bank, CUDA
 graphs on a GPU) for BERT encoders, and the slotted Hugging Face model (``slotted.py``) for any other architecture.
 
-``run(rows)`` takes already-tokenised rows of any mix of tasks and returns one float32 CPU tensor per row: logits
+``launch(block)`` / ``finish`` take already-tokenised rows of any mix of tasks as a ``RowBlock`` and return their
+outputs as one array (``RowOutputs``); ``run(rows)`` does both and returns one float32 CPU tensor per row: logits
 ``[n_out]`` (or ``[n_tokens, n_out]`` for tagging), or, for a row that asks for an embedding, its pooled vector
 ``[hidden]`` under its task's patch. A row without a patch runs on the base encoder: one extra bank row that always
 holds the base biases, never handed out as a task slot. Call it from one thread only (the batcher's worker thread).
@@ -23,7 +24,8 @@ from patchserve.patches.format import Patch
 from patchserve.patches.packed import packed_unsupported
 from patchserve.server.engine.backend import Backend, Pending
 from patchserve.server.engine.packed_backend import PackedBackend
-from patchserve.server.engine.protocol import BASE_KEY, Row
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock, RowOutputs
 from patchserve.server.engine.slots import SlotManager
 from patchserve.server.engine.slotted import SlottedBackend
 
@@ -154,26 +156,33 @@ class Runner:
                 self.slots.release(list(slot_of))
         return len(self.slots)
 
-    def run(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """Outputs of ``rows`` (launch, then wait for them)."""
-        return self.finish(self.launch(rows))
+    def run(self, rows: Sequence[Row] | RowBlock) -> list[torch.Tensor]:
+        """Outputs of ``rows`` (launch, then wait for them), one float32 tensor per row."""
+        block = rows if isinstance(rows, RowBlock) else RowBlock.from_rows(rows)
+        outputs = self.finish(self.launch(block))
+        return [torch.from_numpy(o) for o in outputs.split(block.lengths.tolist(), block.tags().tolist())]
 
     @torch.inference_mode()
-    def launch(self, rows: Sequence[Row]) -> Pending:
-        """Start ``rows`` on the device and return without waiting for it (on a GPU, the host can prepare the next
-        batch meanwhile); ``finish`` waits and returns the outputs. Slots stay pinned until then."""
-        patches = {r.patch.patch_id: r.patch for r in rows if r.patch is not None}
-        slot_of, to_load = self.slots.acquire(list(patches))
+    def launch(self, block: RowBlock) -> Pending:
+        """Start the rows of ``block`` on the device and return without waiting for it (on a GPU, the host can
+        prepare the next batch meanwhile); ``finish`` waits and returns the outputs. Slots stay pinned until
+        then."""
+        patches, keys = block.used_patches()
+        if len(patches) != len(block.patches):
+            block = RowBlock(block.tokens, block.types, block.lengths, keys, patches, block.embed)
+        ids = [p.patch_id for p in patches]
+        slot_of, to_load = self.slots.acquire(ids)
         try:
-            self._load([(slot, patches[pid]) for pid, slot in to_load])
-            slot_of[BASE_KEY] = self.base_slot
-            return self.backend.launch(rows, [slot_of[r.key] for r in rows], list(patches))
+            by_id = dict(zip(ids, patches, strict=True))
+            self._load([(slot, by_id[pid]) for pid, slot in to_load])
+            row_slots = block.per_patch([slot_of[pid] for pid in ids], self.base_slot)
+            return self.backend.launch(block, row_slots, ids)
         except BaseException:
-            self.slots.release(list(patches))
+            self.slots.release(ids)
             raise
 
     @torch.inference_mode()
-    def finish(self, pending: Pending) -> list[torch.Tensor]:
+    def finish(self, pending: Pending) -> RowOutputs:
         try:
             return self.backend.finish(pending)
         finally:

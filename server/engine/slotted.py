@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +38,7 @@ from patchserve.patches.lora import factor_pairs
 from patchserve.patches.model import pool
 from patchserve.server.engine.backend import Pending
 from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock, RowOutputs
 
 
 class SlotIndex:
@@ -313,10 +315,12 @@ class SlottedBackend:
                 patch.head_bias.to(self.device, self.dtype),
             )
 
-    def launch(self, rows: Sequence[Row], row_slots: Sequence[int], patch_ids: list[str]) -> Pending:
-        return Pending(patch_ids, outputs=self._forward(rows, row_slots))
+    def launch(self, block: RowBlock, row_slots: np.ndarray, patch_ids: list[str]) -> Pending:
+        outputs = [o.flatten().numpy() for o in self._forward(block.rows(), row_slots.tolist())]
+        sizes = np.fromiter(map(len, outputs), dtype=np.int64, count=len(outputs))
+        return Pending(patch_ids, outputs=RowOutputs(np.concatenate(outputs), sizes))
 
-    def finish(self, pending: Pending) -> list[torch.Tensor]:
+    def finish(self, pending: Pending) -> RowOutputs:
         assert pending.outputs is not None
         return pending.outputs
 
