@@ -195,20 +195,17 @@ def gather_rows(
 def pack_requests(first_id: int, requests: Sequence[Sequence[Row]], patch_bytes: dict[str, bytes]) -> Requests:
     """One ``Requests`` message for ``requests`` (request ``i`` gets the id ``first_id + i``), carrying
     ``patch_bytes`` for the patches the engine may not hold."""
-    rows = list(itertools.chain.from_iterable(requests))
-    keys: dict[str, int] = {}
-    row_keys = np.fromiter((keys.setdefault(r.key, len(keys)) for r in rows), dtype="<i4", count=len(rows))
-    lengths = np.fromiter(map(len, (r.input_ids for r in rows)), dtype="<i4", count=len(rows))
-    n = int(lengths.sum())
+    block = RowBlock.from_rows(list(itertools.chain.from_iterable(requests)))
+    base = len(block.patches)  # rows without a patch name BASE_KEY, listed after the patches
     return Requests(
         id=first_id,
         counts=np.fromiter(map(len, requests), dtype="<i4", count=len(requests)).tobytes(),
-        lengths=lengths.tobytes(),
-        tokens=np.fromiter(itertools.chain.from_iterable(r.input_ids for r in rows), dtype="<i4", count=n).tobytes(),
-        types=np.fromiter(itertools.chain.from_iterable(r.token_type_ids for r in rows), "<i4", count=n).tobytes(),
-        keys=list(keys),
-        row_keys=row_keys.tobytes(),
-        embed=np.fromiter((r.output == "embedding" for r in rows), dtype=np.uint8, count=len(rows)).tobytes(),
+        lengths=block.lengths.astype("<i4").tobytes(),
+        tokens=block.tokens.astype("<i4").tobytes(),
+        types=block.types.astype("<i4").tobytes(),
+        keys=[p.patch_id for p in block.patches] + [BASE_KEY],
+        row_keys=np.where(block.keys < 0, base, block.keys).astype("<i4").tobytes(),
+        embed=block.embed.astype(np.uint8).tobytes(),
         patches=patch_bytes,
     )
 
