@@ -25,6 +25,7 @@ class Pending:
     patch_ids: list[str]  # the patches whose slots stay pinned until the batch is finished
     outputs: RowOutputs | None = None  # ready (the slotted engine runs synchronously)
     block: RowBlock | None = None
+    tags: np.ndarray | None = None  # bool [rows]: the rows answered with per-token logits
     host: torch.Tensor | None = None  # flat float32 outputs on the host (pinned on CUDA)
     width: int = 0  # hidden + head width of the pooled table
     done: torch.cuda.Event | None = None

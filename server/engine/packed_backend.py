@@ -124,7 +124,7 @@ class PackedBackend:
             parts.append(self.packed.tag(hidden, idx[0], idx[1], self.head_bank).flatten())
         flat_out = torch.cat(parts).float()
         width = int(pooled.shape[1])
-        pending = Pending(patch_ids, block=block, width=width)
+        pending = Pending(patch_ids, block=block, width=width, tags=tags)
         if not (cuda and self.overlap):  # the batch's one device-to-host copy, waited for here
             pending.host = flat_out.cpu()
             return pending
@@ -139,12 +139,11 @@ class PackedBackend:
         row without a patch), its per-token logits (tagging) or its head's logits."""
         if pending.done is not None:
             pending.done.synchronize()
-        block, host, width, h = pending.block, pending.host, pending.width, self.packed.hidden
-        assert host is not None and block is not None
+        block, host, width, h, tags = pending.block, pending.host, pending.width, self.packed.hidden, pending.tags
+        assert host is not None and block is not None and tags is not None
         n_rows = len(block)
         n_out = block.per_patch([p.head_weight.shape[0] for p in block.patches], 0)
         pooled = block.embed | (block.keys < 0)
-        tags = block.tags()
         row = np.arange(n_rows, dtype=np.int64)
         base = row * width + np.where(pooled, 0, h)
         n_lines = np.where(tags, block.lengths, 1)
