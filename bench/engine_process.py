@@ -36,6 +36,7 @@ import random
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ import zmq
 from bench.common import DATA, FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot, sentences
 from bench.http import EngineAlone, device_name
 from patchserve.patches.encoder import load_encoder
+from patchserve.patches.format import Patch
 from patchserve.patches.synthetic import random_patch
 from patchserve.server.engine.protocol import Hello, Requests, Results, Row, encode, from_engine
 from patchserve.server.engine.remote import MAX_MESSAGE_ROWS
@@ -149,6 +151,11 @@ class Client:
         self.ctx.term()
 
 
+def _bound(cell: dict[str, Any]) -> str:
+    """A cell's batch bound; runs before 2026-11-28 recorded it in their meta line only."""
+    return f"{cell['max_batch_rows']} / {cell['max_batch_tokens']:,}" if "max_batch_rows" in cell else "-"
+
+
 def render(jsonl: Path) -> None:
     meta, cells = latest_run(jsonl)
     md = [
@@ -162,16 +169,17 @@ def render(jsonl: Path) -> None:
         "costs the engine process, and the benchmark's process running the engine alone; CPU ratio = alone / process "
         "(what a shared machine's noise moves least).",
         "",
-        "| rows a request | rows in flight | engine process rows/s | engine alone rows/s | ratio | "
-        "CPU µs a row: process / alone | CPU ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch: rows / tokens | rows a request | rows in flight | engine process rows/s | engine alone rows/s "
+        "| ratio | CPU µs a row: process / alone | CPU ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         cpu = "| |"
         if "cpu_us_per_row" in c:  # older runs did not record CPU time
             cpu = f"| {c['cpu_us_per_row']:.0f} / {c['engine_alone_cpu_us_per_row']:.0f} | {c['cpu_ratio']:.2f} |"
         md.append(
-            f"| {c['rows']} | {c['outstanding']} | {c['rows_per_s']:,.0f} | {c['engine_alone_rows_per_s']:,.0f} | "
+            f"| {_bound(c)} | {c['rows']} | {c['outstanding']} | {c['rows_per_s']:,.0f} | "
+            f"{c['engine_alone_rows_per_s']:,.0f} | "
             f"{c['ratio']:.2f} {cpu}"
         )
     if meta.get("notes"):
@@ -181,15 +189,129 @@ def render(jsonl: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for k in sorted({c["rows"] for c in cells}):
-        mine = sorted((c for c in cells if c["rows"] == k), key=lambda c: c["outstanding"])
-        ax.plot([c["outstanding"] for c in mine], [c["ratio"] for c in mine], marker="o", label=f"{k} rows a request")
+    several = len({_bound(c) for c in cells}) > 1
+    for k, bound in sorted({(c["rows"], _bound(c)) for c in cells}):
+        mine = sorted((c for c in cells if (c["rows"], _bound(c)) == (k, bound)), key=lambda c: c["outstanding"])
+        label = f"{k} rows a request" + (f", batches {bound}" if several else "")
+        ax.plot([c["outstanding"] for c in mine], [c["ratio"] for c in mine], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="rows in flight", ylabel="engine process / engine alone", ylim=(0, 1.05))
     ax.set_title(meta["engine"], fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(jsonl.with_suffix(".png"), dpi=100)
+
+
+Bound = tuple[int, int]  # an engine's batch bound: (max rows, max tokens)
+Cell = tuple[Bound, int, int]  # (bound, rows a request, rows in flight)
+
+
+def start_engine(args: argparse.Namespace, model: str, address: Path, bound: Bound, queue: int) -> EngineProcess:
+    settings = ServerSettings(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        slots=max(args.tasks, 1),
+        max_batch_rows=bound[0],
+        max_batch_tokens=bound[1],
+        max_queue_rows=queue,
+        workers=1,
+        **({} if args.engine_threads is None else {"engine_threads": args.engine_threads}),
+    )
+    engine = EngineProcess(settings, f"ipc://{address}")
+    engine.start()
+    engine.wait_ready()
+    return engine
+
+
+def summarise(
+    cell: Cell, runs: list[float], cpu: list[float], alone: list[float], alone_cpu: list[float]
+) -> dict[str, Any]:
+    """One cell's medians over its repeats, against the engine alone on batches of the cell's row bound."""
+    (max_rows, max_tokens), k, n = cell
+    engine_alone, alone_us, rows_per_s = statistics.median(alone), statistics.median(alone_cpu), statistics.median(runs)
+    return {
+        "max_batch_rows": max_rows,
+        "max_batch_tokens": max_tokens,
+        "rows": k,
+        "outstanding": n,
+        "rows_per_s": round(rows_per_s, 1),
+        "engine_alone_rows_per_s": round(engine_alone, 1),
+        "ratio": round(rows_per_s / engine_alone, 3),
+        "cpu_us_per_row": round(statistics.median(cpu), 1),
+        "engine_alone_cpu_us_per_row": round(alone_us, 1),
+        "cpu_ratio": round(alone_us / statistics.median(cpu), 3),
+    }
+
+
+def headline(summary: list[dict[str, Any]], bounds: list[Bound], ks: list[int], deepest: int) -> dict[str, Any]:
+    """The deepest queue's figures per rows a request (and per bound, named in the keys when there are several)."""
+    head: dict[str, Any] = {}
+    for r, t in bounds:
+        tag = f"_{r}x{t}" if len(bounds) > 1 else ""
+        at = {
+            c["rows"]: c
+            for c in summary
+            if (c["max_batch_rows"], c["max_batch_tokens"], c["outstanding"]) == (r, t, deepest)
+        }
+        head[f"engine_alone_rows_per_s{tag}"] = at[ks[0]]["engine_alone_rows_per_s"]
+        head[f"engine_alone_cpu_us_per_row{tag}"] = at[ks[0]]["engine_alone_cpu_us_per_row"]
+        for key in ("ratio", "cpu_ratio", "cpu_us_per_row", "rows_per_s"):
+            head |= {f"{key}_{k}_rows_{deepest}{tag}": at[k][key] for k in ks}
+    return head
+
+
+def measure(
+    args: argparse.Namespace,
+    model: str,
+    work: Path,
+    bounds: list[Bound],
+    ks: list[int],
+    outstanding: list[int],
+    patches: list[Patch],
+    pool: Pool,
+    texts: list[str],
+    rng: random.Random,
+) -> list[dict[str, Any]]:
+    """Every cell, interleaved over --repeats, with one engine process per bound (all up at once)."""
+    engines: dict[Bound, EngineProcess] = {}
+    clients: dict[tuple[Bound, int], Client] = {}
+    cells: list[Cell] = list(itertools.product(bounds, ks, outstanding))
+    runs: dict[Cell, list[float]] = {c: [] for c in cells}
+    cpu: dict[Cell, list[float]] = {c: [] for c in cells}
+    try:
+        for b in bounds:
+            engines[b] = start_engine(args, model, work / f"engine-{b[0]}-{b[1]}", b, max(outstanding) * 2)
+            clients |= {(b, k): Client(engines[b].address, pool) for k in ks}
+            first = clients[b, ks[0]]
+            for j, p in enumerate(patches):  # every patch sent once (as a front end does): every task resident
+                first.ask(encode(pack_requests(10**7 + j, [[Row([101, 102], [0, 0], p)]], {p.patch_id: p.data})))
+            for k in ks:  # warm-up of each shape
+                clients[b, k].rows_per_s(k, max(outstanding), 1.0)
+        batch_rows = sorted({r for r, _ in bounds})
+        alone_engines = {r: EngineAlone(model, patches, texts, r, args.device, args.dtype) for r in batch_rows}
+        alone: dict[int, list[float]] = {r: [] for r in batch_rows}
+        alone_cpu: dict[int, list[float]] = {r: [] for r in batch_rows}
+        for rep in range(args.repeats):
+            for r, alone_engine in alone_engines.items():
+                c0 = time.process_time()
+                alone[r].append(alone_engine.rows_per_s(args.tasks, rng))
+                alone_cpu[r].append((time.process_time() - c0) / alone_engine.last_rows * 1e6)
+            shift = rep % len(cells)
+            for b, k, n in cells[shift:] + cells[:shift]:
+                process = engines[b].process
+                assert process is not None and process.pid is not None
+                c0 = cpu_seconds(process.pid)
+                runs[b, k, n].append(clients[b, k].rows_per_s(k, n, args.seconds))
+                cpu[b, k, n].append((cpu_seconds(process.pid) - c0) / clients[b, k].last_rows * 1e6)
+                line = {"max_batch_rows": b[0], "max_batch_tokens": b[1], "rows": k, "outstanding": n}
+                print(json.dumps(line | {"rows_per_s": round(runs[b, k, n][-1])}), file=sys.stderr)
+    finally:
+        for c in clients.values():
+            c.close()
+        for engine in engines.values():
+            engine.stop()
+    return [summarise(c, runs[c], cpu[c], alone[c[0][0]], alone_cpu[c[0][0]]) for c in cells]
 
 
 def main() -> None:
@@ -201,9 +323,16 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8", help="rows a request (comma-separated)")
     ap.add_argument("--outstanding", default="64,256,2048", help="rows in flight (comma-separated)")
     ap.add_argument("--tasks", type=int, default=200, help="tasks the rows spread over (all resident)")
-    ap.add_argument("--max-batch-rows", type=int, default=32, help="the engine's batch bound (and the alone run's)")
     ap.add_argument(
-        "--max-batch-tokens", type=int, default=8192, help="the engine's token bound per batch (default: serve's, 8192)"
+        "--max-batch-rows",
+        default=None,
+        help="the engine's row bound per batch, and the alone run's batch (comma-separated: a grid axis, one engine "
+        "process each). Default: serve's for the device (32 on the CPU, 256 on a GPU; FREE: a GPU's)",
+    )
+    ap.add_argument(
+        "--max-batch-tokens",
+        default="8192",
+        help="the engine's token bound per batch (comma-separated: a grid axis). Default: serve's, 8192",
     )
     ap.add_argument(
         "--engine-threads",
@@ -226,6 +355,10 @@ def main() -> None:
         args.rows, args.outstanding, args.seconds, args.repeats = "8,1", "2048,256", 3.0, 2
     ks = [int(x) for x in args.rows.split(",")]
     outstanding = [int(x) for x in args.outstanding.split(",")]
+    # FREE stands in for a GPU (see above), so it gets a GPU server's row bound, as in bench/http.py
+    default_rows = ServerSettings().batch_rows(args.device.startswith("cuda") or args.model == FREE_MODEL)
+    batch_rows = [int(x) for x in (args.max_batch_rows or str(default_rows)).split(",")]
+    bounds = list(itertools.product(batch_rows, [int(x) for x in args.max_batch_tokens.split(",")]))
     work = Path(tempfile.mkdtemp(prefix="bench-engine-process-"))
     model = model_source(args.model, work)
     encoder = load_encoder(model)
@@ -234,73 +367,15 @@ def main() -> None:
     rng = random.Random(args.seed)
     token_rows = encoder.tokenizer(texts[:4000], truncation=True, max_length=128)["input_ids"]
     del encoder
-
     pool = Pool(token_rows, [p.patch_id for p in patches], 50_000, rng)
-
-    settings = ServerSettings(
-        model=model,
-        device=args.device,
-        dtype=args.dtype,
-        slots=max(args.tasks, 1),
-        max_batch_rows=args.max_batch_rows,
-        max_batch_tokens=args.max_batch_tokens,
-        max_queue_rows=max(outstanding) * 2,
-        workers=1,
-        **({} if args.engine_threads is None else {"engine_threads": args.engine_threads}),
-    )
     if args.engine_threads is not None:
         torch.set_num_threads(args.engine_threads)
-    engine = EngineProcess(settings, f"ipc://{work / 'engine'}")
-    engine.start()
-    try:
-        engine.wait_ready()
-        assert engine.process is not None and engine.process.pid is not None
-        pid = engine.process.pid
-        clients = {k: Client(engine.address, pool) for k in ks}
-        first = clients[ks[0]]
-        for j, p in enumerate(patches):  # every patch sent once (as a front end does), so every task is resident
-            first.ask(encode(pack_requests(10**7 + j, [[Row([101, 102], [0, 0], p)]], {p.patch_id: p.data})))
-        for k, c in clients.items():  # warm-up of each shape
-            c.rows_per_s(k, max(outstanding), 1.0)
-        alone_engine = EngineAlone(model, patches, texts, args.max_batch_rows, args.device, args.dtype)
-        cells = list(itertools.product(ks, outstanding))
-        runs: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
-        cpu: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
-        alone: list[float] = []
-        alone_cpu: list[float] = []
-        for rep in range(args.repeats):
-            c0 = time.process_time()
-            alone.append(alone_engine.rows_per_s(args.tasks, rng))
-            alone_cpu.append((time.process_time() - c0) / alone_engine.last_rows * 1e6)
-            shift = rep % len(cells)
-            for k, n in cells[shift:] + cells[:shift]:
-                c0 = cpu_seconds(pid)
-                runs[k, n].append(clients[k].rows_per_s(k, n, args.seconds))
-                cpu[k, n].append((cpu_seconds(pid) - c0) / clients[k].last_rows * 1e6)
-                print(json.dumps({"rows": k, "outstanding": n, "rows_per_s": round(runs[k, n][-1])}), file=sys.stderr)
-        for c in clients.values():
-            c.close()
-    finally:
-        engine.stop()
-    engine_alone, alone_us = statistics.median(alone), statistics.median(alone_cpu)
-    summary = [
-        {
-            "rows": k,
-            "outstanding": n,
-            "rows_per_s": round(statistics.median(runs[k, n]), 1),
-            "engine_alone_rows_per_s": round(engine_alone, 1),
-            "ratio": round(statistics.median(runs[k, n]) / engine_alone, 3),
-            "cpu_us_per_row": round(statistics.median(cpu[k, n]), 1),
-            "engine_alone_cpu_us_per_row": round(alone_us, 1),
-            "cpu_ratio": round(alone_us / statistics.median(cpu[k, n]), 3),
-        }
-        for k, n in cells
-    ]
+    summary = measure(args, model, work, bounds, ks, outstanding, patches, pool, texts, rng)
     if not args.quick:
         meta = {
             "command": "python bench/engine_process.py " + " ".join(sys.argv[1:]),
             "engine": f"{args.model} encoder on {args.device} ({args.dtype}), {args.tasks} tasks, batches of up to "
-            f"{args.max_batch_rows} rows and {args.max_batch_tokens:,} tokens",
+            + " / ".join(f"{r} rows and {t:,} tokens" for r, t in bounds),
             "device": device_name(args.device),
             "seconds": args.seconds,
             "repeats": args.repeats,
@@ -311,21 +386,7 @@ def main() -> None:
         print(f"wrote {args.out} and its .md and .png", file=sys.stderr)
     for c in summary:
         print(json.dumps(c), file=sys.stderr)
-    deepest = max(outstanding)
-    at_deepest = {c["rows"]: c for c in summary if c["outstanding"] == deepest}
-    head = {f"ratio_{k}_rows_{deepest}": at_deepest[k]["ratio"] for k in ks}
-    head |= {f"cpu_ratio_{k}_rows_{deepest}": at_deepest[k]["cpu_ratio"] for k in ks}
-    head |= {f"cpu_us_per_row_{k}_rows_{deepest}": at_deepest[k]["cpu_us_per_row"] for k in ks}
-    head |= {f"rows_per_s_{k}_rows_{deepest}": at_deepest[k]["rows_per_s"] for k in ks}
-    print(
-        json.dumps(
-            {
-                "engine_alone_rows_per_s": round(engine_alone, 1),
-                "engine_alone_cpu_us_per_row": round(alone_us, 1),
-                **head,
-            }
-        )
-    )
+    print(json.dumps(headline(summary, bounds, ks, max(outstanding))))
 
 
 if __name__ == "__main__":

@@ -7,22 +7,23 @@ the engine's own rows/s on the same model and rows.
     python bench/http.py --model FREE --out docs/benchmarks/http-free.jsonl   # its grid
     python bench/http.py --render                 # rewrite the table and plot from the JSON lines
 
-One server per --workers value (0: one process does everything; N: an engine process and N front ends), all started
-at once on a disk registry holding --tasks' largest count of distinct tasks, with enough slots for all of them, so
-the figures are steady state, not slot churn (every task is asked once before timing). wrk (bench/common.py says
-why wrk) keeps C connections busy, each request POST /tasks/{task}/predict with 1 or 8 real sentences of the shared
-sets, the task drawn uniformly from the first T tasks. Cells (workers x C x T x inputs) run in an order that rotates
-every repeat, so drift hits all alike; figures are medians over the repeats.
+One server per --workers value (0: one process does everything; N: an engine process and N front ends) and batch bound
+(--max-batch-rows x --max-batch-tokens x --overlap-batches off/on), all started at once on a disk registry holding
+--tasks' largest count of distinct tasks, with enough slots for all of them, so the figures are steady state, not slot
+churn (every task is asked once before timing). wrk (bench/common.py says why wrk) keeps C connections busy, each
+request POST /tasks/{task}/predict with 1 or 8 real sentences of the shared sets, the task drawn uniformly from the
+first T tasks. Cells (servers x C x T x inputs) run in an order that rotates every repeat, so drift hits all alike;
+figures are medians over the repeats.
 
 --model FREE is the default encoder's real tokenizer over a random BERT of one layer, hidden 32 (built here): the
 model costs almost nothing, so the cell measures the front end's ceiling. It stands in for a device that is not the
-limit, so its servers get a GPU server's defaults: one front end per core (--quick) and the engine the cores the front
-ends leave.
+limit, so its servers get a GPU server's defaults: one front end per core (--quick), the engine the cores the front
+ends leave, and a GPU's batch row bound.
 
 Per cell: requests/s and rows/s (inputs/s) over HTTP, p50/p95/p99 latency, failures (any non-200), the server's
-batches (mean rows, the engine's rows/s inside the server from its /metrics), and the engine alone: this process
-runs the same model on batches of --max-batch-rows rows drawn the same way (same texts, same tasks), back to back,
-interleaved with the cells. ``ratio`` = HTTP rows/s over the engine's rows/s alone; the server's overhead is its
+batches (mean rows, the engine's rows/s inside the server from its /metrics), and the engine alone: this process runs
+the same model on batches of each --max-batch-rows value's rows drawn the same way (same texts, same tasks), back to
+back, interleaved with the cells. ``ratio`` = HTTP rows/s over the engine's rows/s alone; the server's overhead is its
 inverse minus 1 (what parsing, tokenising, queueing and answering add to the forward passes).
 """
 
@@ -70,9 +71,22 @@ from patchserve.patches.synthetic import random_patch
 from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
-from patchserve.server.settings import available_cpus, default_workers
+from patchserve.server.settings import ServerSettings, available_cpus, default_workers
 
-KEYS = ("workers", "concurrency", "tasks", "inputs")
+SETUP = ("workers", "max_batch_rows", "max_batch_tokens", "overlap")  # what one server is started with
+KEYS = (*SETUP, "concurrency", "tasks", "inputs")
+OLD_SETUP = {"max_batch_rows": 32, "max_batch_tokens": 8192, "overlap": "off"}  # runs before 2026-11-28 ran only these
+
+
+def setup_of(cell: dict[str, Any]) -> tuple:
+    """The server a cell ran on: front ends, batch bounds, overlap."""
+    return tuple(cell.get(k, OLD_SETUP.get(k)) for k in SETUP)
+
+
+def setup_label(setup: tuple) -> str:
+    workers, rows, tokens, overlap = setup
+    procs = "one process" if workers == 0 else f"{workers} front end{'s' if workers > 1 else ''}"
+    return f"{procs}, batches of {rows} rows / {tokens:,} tokens" + (", overlapped" if overlap == "on" else "")
 
 
 def cell_requests(texts: list[str], tasks: int, inputs: int, rng: random.Random) -> list[tuple[str, dict]]:
@@ -158,9 +172,9 @@ def device_name(device: str) -> str:
 
 
 def summarise(
-    runs: list[dict[str, Any]], alone: dict[int, list[float]], one_row: dict[int, list[float]]
+    runs: list[dict[str, Any]], alone: dict[tuple[int, int], list[float]], one_row: dict[tuple[int, int], list[float]]
 ) -> list[dict[str, Any]]:
-    """Medians per cell over its repeats."""
+    """Medians per cell over its repeats; the engine alone's by (tasks, batch rows)."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in runs:
         cells.setdefault(tuple(r[k] for k in KEYS), []).append(r)
@@ -169,7 +183,7 @@ def summarise(
         cell = dict(zip(KEYS, key, strict=True))
         med = {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p95_ms", "p99_ms")}
         rows_s = med["rps"] * cell["inputs"]
-        engine_alone = statistics.median(alone[cell["tasks"]])
+        engine_alone = statistics.median(alone[cell["tasks"], cell["max_batch_rows"]])
         in_server = [r["server_batch_rows"] / r["server_batch_seconds"] for r in rs if r["server_batch_seconds"] > 0]
         out.append(
             {
@@ -178,7 +192,7 @@ def summarise(
                 "rps": round(med["rps"], 1),
                 "rows_per_s": round(rows_s, 1),
                 "engine_alone_rows_per_s": round(engine_alone, 1),
-                "engine_alone_ms_1_row": round(statistics.median(one_row[cell["tasks"]]), 2),
+                "engine_alone_ms_1_row": round(statistics.median(one_row[cell["tasks"], cell["max_batch_rows"]]), 2),
                 "ratio": round(rows_s / engine_alone, 3),
                 "server_overhead": round(engine_alone / rows_s - 1, 3),
                 "engine_in_server_rows_per_s": round(statistics.median(in_server), 1) if in_server else None,
@@ -196,9 +210,9 @@ def summarise(
     return out
 
 
-def headline(cells: list[dict[str, Any]], workers: int, concurrency: int, inputs: int) -> dict[str, Any]:
+def headline(cells: list[dict[str, Any]], setup: tuple, concurrency: int, inputs: int) -> dict[str, Any]:
     mine = {
-        c["tasks"]: c for c in cells if (c["workers"], c["concurrency"], c["inputs"]) == (workers, concurrency, inputs)
+        c["tasks"]: c for c in cells if (setup_of(c), c["concurrency"], c["inputs"]) == (setup, concurrency, inputs)
     }
     one, most = mine[min(mine)], mine[max(mine)]
     return {
@@ -209,33 +223,39 @@ def headline(cells: list[dict[str, Any]], workers: int, concurrency: int, inputs
         "server_overhead": most["server_overhead"],
         "http_vs_engine": most["ratio"],
         "failed": sum(c["failed"] for c in cells),
-        "workers": workers,
+        **dict(zip(SETUP, setup, strict=True)),
     }
 
 
-def _best_workers(cells: list[dict[str, Any]], concurrency: int, inputs: int) -> int:
+def _best_setup(cells: list[dict[str, Any]], concurrency: int, inputs: int) -> tuple:
     top = max(cells, key=lambda c: c["rows_per_s"] if (c["concurrency"], c["inputs"]) == (concurrency, inputs) else -1)
-    return int(top["workers"])
+    return setup_of(top)
 
 
-def _latency_lines(cells: list[dict[str, Any]], workers: int) -> list[str]:
+def _latency_lines(cells: list[dict[str, Any]], setup: tuple) -> list[str]:
     """Concurrency 1, 1 input: p50 against the engine's own time for one row."""
-    lone = [c for c in cells if (c["workers"], c["concurrency"], c["inputs"]) == (workers, 1, 1)]
+    lone = [c for c in cells if (setup_of(c), c["concurrency"], c["inputs"]) == (setup, 1, 1)]
     if not lone or "engine_alone_ms_1_row" not in lone[0]:
         return []
     c = max(lone, key=lambda c: c["tasks"])
     return [
-        f"- Concurrency 1, 1 input, {c['tasks']:,} tasks, {workers} workers: p50 **{c['p50_ms']} ms** against the "
+        f"- Concurrency 1, 1 input, {c['tasks']:,} tasks, {setup_label(setup)}: p50 **{c['p50_ms']} ms** against the "
         f"engine's {c['engine_alone_ms_1_row']} ms for one row alone ({c['p50_ms'] - c['engine_alone_ms_1_row']:+.2f} "
         "ms: HTTP, tokenizing, IPC and answering)."
     ]
+
+
+def _wrk_threads(meta: dict[str, Any]) -> str:
+    """The load generator's own cores (one wrk thread each), where the run recorded them."""
+    n = meta.get("wrk_threads")
+    return "" if n is None else f" on {n} thread{'s' if n > 1 else ''} (cores of the same machine)"
 
 
 def render(jsonl: Path) -> None:
     meta, lines = latest_run(jsonl)
     cells = [c for c in lines if c["kind"] == "cell"]
     conc, one_input = max(c["concurrency"] for c in cells), min(c["inputs"] for c in cells)
-    best = _best_workers(cells, conc, one_input)
+    best = _best_setup(cells, conc, one_input)
     head = headline(cells, best, conc, one_input)
     ratio_key = next(k for k in head if k.startswith("ratio_"))
     most_tasks = max(c["tasks"] for c in cells)
@@ -244,30 +264,33 @@ def render(jsonl: Path) -> None:
         "# HTTP throughput and latency over many tasks",
         "",
         f"Written by `{meta['command']}` on {meta['machine']} ({meta['device']}), {meta['date']} (torch "
-        f"{meta['torch']}, commit {meta['commit']}); server: {meta['server']}. Load: wrk, closed loop, each connection "
-        f"one request at a time; {meta['seconds']:g} s per cell, medians over {meta['repeats']} repeats (cells "
-        "interleaved). workers 0 = one process does everything; N = an engine process and N front ends.",
+        f"{meta['torch']}, commit {meta['commit']}); server: {meta['server']}. Load: wrk{_wrk_threads(meta)}, closed "
+        f"loop, each connection one request at a time; {meta['seconds']:g} s per cell, medians over "
+        f"{meta['repeats']} repeats (cells interleaved). workers 0 = one process does everything; N = an engine "
+        "process and N front ends.",
         "",
-        "rows/s = inputs/s. engine alone = the same model on batches of the servers' largest size, same texts and "
+        "rows/s = inputs/s. engine alone = the same model on batches of the server's row bound, same texts and "
         "tasks, run back to back in the benchmark's own process between cells. ratio = HTTP rows/s / engine alone; "
         "overhead = its inverse - 1. in server = the rows the server ran / the seconds its forward passes took (its "
         "/metrics).",
         "",
         "## Headline",
         "",
-        f"- Best workers at concurrency {conc}, {one_input} input: **{best}**; {most_tasks:,} tasks: "
+        f"- Best server at concurrency {conc}, {one_input} input: **{setup_label(best)}**; {most_tasks:,} tasks: "
         f"**{most_rps:,.0f} req/s**, "
         f"{head[ratio_key]:.2f}x the 1-task throughput, {head['http_vs_engine']:.0%} of the engine alone, p99 "
         f"{head['p99_ms']} ms, {head['failed']} failed in the whole run.",
         *_latency_lines(cells, best),
         "",
-        "| workers | concurrency | tasks | inputs | req/s | rows/s | engine alone | ratio | overhead | in server "
-        "| mean batch | p50 ms | p95 ms | p99 ms | engine 1 row ms | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workers | batch: rows / tokens | overlap | concurrency | tasks | inputs | req/s | rows/s | engine alone "
+        "| ratio | overhead | in server | mean batch | p50 ms | p95 ms | p99 ms | engine 1 row ms | failed |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in sorted(cells, key=lambda c: (c["inputs"], c["concurrency"], c["tasks"], c["workers"])):
+    for c in sorted(cells, key=lambda c: (c["inputs"], c["concurrency"], c["tasks"], setup_of(c))):
+        w, rows, tokens, overlap = setup_of(c)
         md.append(
-            f"| {c['workers']} | {c['concurrency']} | {c['tasks']:,} | {c['inputs']} | {c['rps']:,.1f} | "
+            f"| {w} | {rows} / {tokens:,} | {overlap} | {c['concurrency']} | {c['tasks']:,} | {c['inputs']} | "
+            f"{c['rps']:,.1f} | "
             f"{c['rows_per_s']:,.1f} | {c['engine_alone_rows_per_s']:,.0f} | {c['ratio']:.2f} | "
             f"{c['server_overhead']:+.0%} | {c['engine_in_server_rows_per_s'] or 0:,.0f} | {c['mean_batch_rows']} | "
             f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | {c.get('engine_alone_ms_1_row', '')} | {c['failed']} |"
@@ -282,13 +305,14 @@ def render(jsonl: Path) -> None:
     fig, axes = plt.subplots(2, len(inputs), figsize=(5 * len(inputs), 6.5), squeeze=False)
     most = max(c["tasks"] for c in cells)
     for j, k in enumerate(inputs):
-        for w in sorted({c["workers"] for c in cells}):
+        setups = sorted({setup_of(c) for c in cells})
+        for setup in setups:
             mine = sorted(
-                (c for c in cells if c["inputs"] == k and c["tasks"] == most and c["workers"] == w),
+                (c for c in cells if c["inputs"] == k and c["tasks"] == most and setup_of(c) == setup),
                 key=lambda c: c["concurrency"],
             )
             xs = [c["concurrency"] for c in mine]
-            label = "one process" if w == 0 else f"{w} front end{'s' if w > 1 else ''}"
+            label = setup_label(setup) if len({s[1:] for s in setups}) > 1 else setup_label(setup).split(",")[0]
             axes[0][j].plot(xs, [c["rows_per_s"] for c in mine], marker="o", label=label)
             axes[1][j].plot(xs, [c["p99_ms"] for c in mine], marker="o", label=label)
         alone = [c["engine_alone_rows_per_s"] for c in cells if c["inputs"] == k and c["tasks"] == most]
@@ -319,9 +343,21 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="encoder: default, a folder, or FREE (see above)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-batch-rows", type=int, default=32, help="the servers' batch bound (and the engine's)")
     ap.add_argument(
-        "--max-batch-tokens", type=int, default=8192, help="the servers' token bound per batch (default: serve's, 8192)"
+        "--max-batch-rows",
+        default=None,
+        help="the servers' row bound per batch, and the engine alone's batch (comma-separated: a grid axis, one "
+        "server each). Default: serve's for the device (32 on the CPU, 256 on a GPU)",
+    )
+    ap.add_argument(
+        "--max-batch-tokens",
+        default="8192",
+        help="the servers' token bound per batch (comma-separated: a grid axis). Default: serve's, 8192",
+    )
+    ap.add_argument(
+        "--overlap-batches",
+        default="off",
+        help="serve's --overlap-batches: off, on, or off,on (a grid axis). Default: off, serve's",
     )
     ap.add_argument(
         "--engine-threads",
@@ -386,52 +422,64 @@ def main() -> None:
         (t, k): wrk_script(work / f"t{t}-k{k}.lua", cell_requests(texts, t, k, rng))
         for t, k in itertools.product(task_counts, inputs)
     }
-    alone_engine = EngineAlone(model, patches, texts, args.max_batch_rows, args.device, args.dtype)
-    alone: dict[int, list[float]] = {t: [] for t in task_counts}
-    one_row: dict[int, list[float]] = {t: [] for t in task_counts}
-    cells = list(itertools.product(workers, concs, task_counts, inputs))
+    default_rows = ServerSettings().batch_rows(front_end_bound)  # FREE stands in for a GPU here too
+    batch_rows = [int(x) for x in (args.max_batch_rows or str(default_rows)).split(",")]
+    batch_tokens = [int(x) for x in args.max_batch_tokens.split(",")]
+    overlaps = args.overlap_batches.split(",")
+    if not set(overlaps) <= {"off", "on"}:
+        raise SystemExit(f"--overlap-batches: off, on or off,on, not {args.overlap_batches}")
+    setups = list(itertools.product(workers, batch_rows, batch_tokens, overlaps))
+    alone_engines = {r: EngineAlone(model, patches, texts, r, args.device, args.dtype) for r in batch_rows}
+    alone: dict[tuple[int, int], list[float]] = {(t, r): [] for t in task_counts for r in batch_rows}
+    one_row: dict[tuple[int, int], list[float]] = {(t, r): [] for t in task_counts for r in batch_rows}
+    cells = list(itertools.product(setups, concs, task_counts, inputs))
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         bases = {}
-        for w in workers:
+        for setup in setups:
+            w, rows, tokens, overlap = setup
             port = free_port()
             serve = ["serve", "--port", str(port), "--model", model, "--device", args.device, "--dtype", args.dtype]
             serve += ["--slots", str(n_tasks), "--registry", registry, "--workers", str(w)]
-            serve += ["--max-batch-rows", str(args.max_batch_rows), "--max-batch-tokens", str(args.max_batch_tokens)]
+            serve += ["--max-batch-rows", str(rows), "--max-batch-tokens", str(tokens)]
+            serve += ["--overlap-batches"] if overlap == "on" else []
             if args.max_queue_rows is not None:
                 serve += ["--max-queue-rows", str(args.max_queue_rows)]
             if w > 0 and args.engine_threads is not None:
                 serve += ["--engine-threads", str(args.engine_threads)]
             elif w > 0 and front_end_bound:
                 serve += ["--engine-threads", str(max(1, cpus - w))]
-            proc = stack.enter_context(patchserve_process(serve, {}, work / f"server-w{w}.log"))
-            bases[w] = f"http://127.0.0.1:{port}"
-            wait_ready(bases[w], proc=proc)
-            asyncio.run(touch_all(bases[w], n_tasks, texts[0]))
+            log = work / f"server-w{w}-r{rows}-t{tokens}-{overlap}.log"
+            proc = stack.enter_context(patchserve_process(serve, {}, log))
+            bases[setup] = f"http://127.0.0.1:{port}"
+            wait_ready(bases[setup], proc=proc)
+            asyncio.run(touch_all(bases[setup], n_tasks, texts[0]))
             for t, k in scripts:  # a short warm-up of each shape (and of wrk's connections)
-                run_wrk(bases[w], scripts[t, k], max(concs), args.warmup_seconds, args.wrk_threads)
+                run_wrk(bases[setup], scripts[t, k], max(concs), args.warmup_seconds, args.wrk_threads)
         for rep in range(args.repeats):
-            for t in task_counts:
-                alone[t].append(alone_engine.rows_per_s(t, rng))
-                one_row[t].append(alone_engine.ms_one_row(t, rng))
+            for t, (rows, alone_engine) in itertools.product(task_counts, alone_engines.items()):
+                alone[t, rows].append(alone_engine.rows_per_s(t, rng))
+                one_row[t, rows].append(alone_engine.ms_one_row(t, rng))
             shift = rep * (len(cells) // args.repeats or 1)
-            for w, c, t, k in cells[shift:] + cells[:shift]:
-                r = {"workers": w, "concurrency": c, "tasks": t, "inputs": k, "repeat": rep}
-                r |= measure(bases[w], scripts[t, k], c, args.seconds, args.wrk_threads)
+            for setup, c, t, k in cells[shift:] + cells[:shift]:
+                r = dict(zip(SETUP, setup, strict=True)) | {"concurrency": c, "tasks": t, "inputs": k, "repeat": rep}
+                r |= measure(bases[setup], scripts[t, k], c, args.seconds, args.wrk_threads)
                 print(
                     json.dumps({x: round(v, 2) if isinstance(v, float) else v for x, v in r.items()}), file=sys.stderr
                 )
                 runs.append(r)
     summary = summarise(runs, alone, one_row)
-    head = headline(summary, _best_workers(summary, max(concs), min(inputs)), max(concs), min(inputs))
+    head = headline(summary, _best_setup(summary, max(concs), min(inputs)), max(concs), min(inputs))
     if not args.quick:
         meta = {
             "command": "python bench/http.py " + " ".join(sys.argv[1:]),
             "server": f"{args.model} encoder on {args.device} ({args.dtype}), disk registry, {n_tasks:,} tasks in "
-            f"{n_tasks:,} slots, batches of up to {args.max_batch_rows} rows and {args.max_batch_tokens:,} tokens",
+            f"{n_tasks:,} slots, batches of up to {'/'.join(map(str, batch_rows))} rows and "
+            f"{'/'.join(f'{t:,}' for t in batch_tokens)} tokens" + (", overlap " + "/".join(overlaps)),
             "device": device_name(args.device),
             "seconds": args.seconds,
             "repeats": args.repeats,
+            "wrk_threads": args.wrk_threads,
             "headline": head,
             "notes": args.note,
         }

@@ -25,6 +25,14 @@ DEFAULT_WORKERS_RULE = (
 )
 
 
+DEFAULT_BATCH_ROWS = {"cpu": 32, "gpu": 256}
+DEFAULT_BATCH_ROWS_RULE = (
+    f"{DEFAULT_BATCH_ROWS['cpu']} when the engine runs on the CPU (a batch costs there what its rows cost, and a "
+    f"smaller one answers sooner); {DEFAULT_BATCH_ROWS['gpu']} on a GPU (a forward costs about the same from one row "
+    "to a few hundred: bigger batches are nearly free throughput)"
+)
+
+
 def available_cpus() -> int:
     """The CPU cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (what a container's
     ``--cpus`` or a Kubernetes CPU limit sets; ``os.cpu_count()`` sees the whole host)."""
@@ -114,7 +122,12 @@ class ServerSettings(BaseSettings):
         "recently registered first, as many as there are slots), so that the first requests after a (re)start find "
         "their task resident. Readiness waits for it.",
     )
-    max_batch_rows: int = Field(32, ge=1, description="Most inputs (of any tasks) run in one forward pass.")
+    max_batch_rows: int | None = Field(
+        None,
+        ge=1,
+        description="Most inputs (of any tasks) run in one forward pass; --max-batch-tokens bounds a batch too. "
+        f"Default: {DEFAULT_BATCH_ROWS_RULE}.",
+    )
     max_batch_tokens: int = Field(
         8192,
         ge=16,
@@ -197,6 +210,12 @@ class ServerSettings(BaseSettings):
     def front_ends(self, gpu: bool) -> int:
         """The front-end processes to run: ``workers``, or the default for this machine and device."""
         return default_workers(gpu) if self.workers is None else self.workers
+
+    def batch_rows(self, gpu: bool) -> int:
+        """The most rows of one batch: ``max_batch_rows``, or the default for the device."""
+        if self.max_batch_rows is not None:
+            return self.max_batch_rows
+        return DEFAULT_BATCH_ROWS["gpu" if gpu else "cpu"]
 
     def forward_threads(self, gpu: bool) -> int:
         """The engine process's torch threads: ``engine_threads``; else every core on the CPU, the cores the front

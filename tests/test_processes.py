@@ -418,6 +418,19 @@ def test_default_front_ends_and_engine_threads_follow_the_cores(monkeypatch):
     assert ServerSettings(workers=3, engine_threads=2).forward_threads(False) == 2
 
 
+def test_batch_rows_default_to_the_device(tiny_bert_dir):
+    """32 rows a batch on the CPU, 256 on a GPU, unless --max-batch-rows says; the engine built here (CPU) uses it."""
+    from patchserve.patches.encoder import load_encoder
+
+    s = ServerSettings()
+    assert (s.batch_rows(False), s.batch_rows(True)) == (32, 256)
+    assert ServerSettings(max_batch_rows=7).batch_rows(True) == 7
+    engine = LocalEngine(load_encoder(str(tiny_bert_dir)), ServerSettings(device="cpu"), Metrics())
+    assert engine.batcher.max_rows == 32
+    engine = LocalEngine(load_encoder(str(tiny_bert_dir)), ServerSettings(device="cpu", max_batch_rows=5), Metrics())
+    assert engine.batcher.max_rows == 5
+
+
 def test_settings_reach_the_child_processes_as_they_were(monkeypatch):
     monkeypatch.setenv("PATCHSERVE_MAX_WAIT_MS", "77")  # read by the parent, not again by a child
     s = ServerSettings(admin_token="s3cret", workers=2, slots=5)

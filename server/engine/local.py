@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from patchserve.patches.encoder import Encoder
+from patchserve.patches.encoder import Encoder, resolve_device
 from patchserve.patches.format import Patch
 from patchserve.server.engine.batcher import Batcher, BatchStats
 from patchserve.server.engine.protocol import Row
@@ -30,6 +30,7 @@ class LocalEngine:
         inside the event loop that will submit rows. ``inline``: run the device on the loop's thread (the engine
         process, whose loop has nothing else to do; see ``Batcher``)."""
         self.metrics = metrics
+        max_rows = settings.batch_rows(resolve_device(settings.device).type != "cpu")
         self.runner = Runner(
             encoder,
             device=settings.device,
@@ -41,13 +42,13 @@ class LocalEngine:
             fold_ln_bias=settings.fold_ln_bias,
             cuda_graphs=settings.cuda_graphs,
             overlap_batches=settings.overlap_batches,
-            max_rows=settings.max_batch_rows,
+            max_rows=max_rows,
             max_tokens=settings.max_batch_tokens,
             on_load=metrics.patch_load.labels(source="slot").observe,
         )
         self.batcher = Batcher(
             self.runner,
-            max_rows=settings.max_batch_rows,
+            max_rows=max_rows,
             max_tokens=settings.max_batch_tokens,
             max_wait_ms=settings.max_wait_ms,
             max_queue_rows=settings.max_queue_rows,
