@@ -294,9 +294,8 @@ def measure(
         alone_cpu: dict[int, list[float]] = {r: [] for r in batch_rows}
         for rep in range(args.repeats):
             for r, alone_engine in alone_engines.items():
-                c0 = time.process_time()
                 alone[r].append(alone_engine.rows_per_s(args.tasks, rng))
-                alone_cpu[r].append((time.process_time() - c0) / alone_engine.last_rows * 1e6)
+                alone_cpu[r].append(alone_engine.last_cpu_s / alone_engine.last_rows * 1e6)
             shift = rep % len(cells)
             for b, k, n in cells[shift:] + cells[:shift]:
                 process = engines[b].process
@@ -327,7 +326,7 @@ def main() -> None:
         "--max-batch-rows",
         default=None,
         help="the engine's row bound per batch, and the alone run's batch (comma-separated: a grid axis, one engine "
-        "process each). Default: serve's for the device (32 on the CPU, 256 on a GPU; FREE: a GPU's)",
+        "process each). Default: serve's for the device (32 on the CPU, 256 on a GPU)",
     )
     ap.add_argument(
         "--max-batch-tokens",
@@ -355,8 +354,7 @@ def main() -> None:
         args.rows, args.outstanding, args.seconds, args.repeats = "8,1", "2048,256", 3.0, 2
     ks = [int(x) for x in args.rows.split(",")]
     outstanding = [int(x) for x in args.outstanding.split(",")]
-    # FREE stands in for a GPU (see above), so it gets a GPU server's row bound, as in bench/http.py
-    default_rows = ServerSettings().batch_rows(args.device.startswith("cuda") or args.model == FREE_MODEL)
+    default_rows = ServerSettings().batch_rows(args.device.startswith("cuda"))
     batch_rows = [int(x) for x in (args.max_batch_rows or str(default_rows)).split(",")]
     bounds = list(itertools.product(batch_rows, [int(x) for x in args.max_batch_tokens.split(",")]))
     work = Path(tempfile.mkdtemp(prefix="bench-engine-process-"))

@@ -17,8 +17,8 @@ figures are medians over the repeats.
 
 --model FREE is the default encoder's real tokenizer over a random BERT of one layer, hidden 32 (built here): the
 model costs almost nothing, so the cell measures the front end's ceiling. It stands in for a device that is not the
-limit, so its servers get a GPU server's defaults: one front end per core (--quick), the engine the cores the front
-ends leave, and a GPU's batch row bound.
+limit, so its servers get a GPU server's defaults: one front end per core (--quick) and the engine the cores the front
+ends leave (but the CPU's batch row bound: on the CPU its batches cost what their rows cost, as a GPU's do not).
 
 Per cell: requests/s and rows/s (inputs/s) over HTTP, p50/p95/p99 latency, failures (any non-200), the server's
 batches (mean rows, the engine's rows/s inside the server from its /metrics), and the engine alone: this process runs
@@ -127,6 +127,7 @@ class EngineAlone:
         self.runner = Runner(encoder, device=device, dtype=dtype, slots=len(patches), max_rows=batch_rows)
         self.patches, self.texts, self.batch_rows = patches, texts, batch_rows
         self.last_rows = 0  # rows of the last rows_per_s run
+        self.last_cpu_s = 0.0  # the CPU time this process spent in it (every thread), building its batches excluded
         for i in range(0, len(patches), 128):  # every task resident, as in the servers
             self.runner.run([Row([101, 102], [0, 0], p) for p in patches[i : i + 128]])
 
@@ -153,12 +154,12 @@ class EngineAlone:
     def rows_per_s(self, tasks: int, rng: random.Random, seconds: float = 2.0) -> float:
         batches = [self._batch(self.batch_rows, tasks, rng) for _ in range(64)]
         self.run(batches[0])
-        rows, t0 = 0, time.perf_counter()
+        rows, t0, c0 = 0, time.perf_counter(), time.process_time()
         for batch in itertools.cycle(batches):
             self.run(batch)
             rows += len(batch)
             if time.perf_counter() - t0 >= seconds:
-                self.last_rows = rows
+                self.last_rows, self.last_cpu_s = rows, time.process_time() - c0
                 return rows / (time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
@@ -422,7 +423,7 @@ def main() -> None:
         (t, k): wrk_script(work / f"t{t}-k{k}.lua", cell_requests(texts, t, k, rng))
         for t, k in itertools.product(task_counts, inputs)
     }
-    default_rows = ServerSettings().batch_rows(front_end_bound)  # FREE stands in for a GPU here too
+    default_rows = ServerSettings().batch_rows(args.device.startswith("cuda"))
     batch_rows = [int(x) for x in (args.max_batch_rows or str(default_rows)).split(",")]
     batch_tokens = [int(x) for x in args.max_batch_tokens.split(",")]
     overlaps = args.overlap_batches.split(",")

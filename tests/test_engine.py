@@ -157,8 +157,15 @@ def test_key_bias_is_dropped_and_value_bias_folded(tiny_bert_dir):
 
 
 def test_slot_eviction_reloads_correctly(tiny_bert_dir, tiny_encoder):
+    """Tasks of every kind, pooling and head width take turns in 2 slots: what a slot's new task needs (its pooling,
+    its head's width, per-token answers or one) replaces what the last one needed."""
     runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2)
-    patches = [make_patch(tiny_encoder, f"t{i}", seed=20 + i) for i in range(4)]
+    patches = [
+        make_patch(tiny_encoder, "t0", seed=20),
+        make_patch(tiny_encoder, "t1", seed=21, kind="token-classification", pooling="cls"),
+        make_patch(tiny_encoder, "t2", seed=22, kind="regression", pooling="pooler"),
+        make_patch(tiny_encoder, "t3", seed=23, labels=["a", "b", "c", "d", "e"], pooling="cls"),
+    ]
     for _ in range(2):
         for p in patches:
             row = _rows(tiny_encoder, p, ["the movie was good"])[0]

@@ -26,6 +26,7 @@ class Pending:
     outputs: RowOutputs | None = None  # ready (the slotted engine runs synchronously)
     block: RowBlock | None = None
     tags: np.ndarray | None = None  # bool [rows]: the rows answered with per-token logits
+    row_slots: np.ndarray | None = None  # int [rows]: each row's slot (pinned until the batch is finished)
     host: torch.Tensor | None = None  # flat float32 outputs on the host (pinned on CUDA)
     width: int = 0  # hidden + head width of the pooled table
     done: torch.cuda.Event | None = None

@@ -51,6 +51,11 @@ class PackedBackend:
         self.device, self.dtype = self.packed.device, self.packed.dtype
         self.head_bank = HeadBank(n_banks, hidden_size, self.device, self.dtype)
         self.base_pooling, self.fill_slot, self.overlap = base_pooling, fill_slot, overlap
+        # what a batch needs to know of each bank row's task, as arrays indexed by slot (written in ``load``), so a
+        # batch looks it up per row with no Python per patch: its pooling mode, its head's width, whether it tags
+        self.slot_mode = np.full(n_banks, POOL_MODES[base_pooling], dtype=np.int64)
+        self.slot_width = np.zeros(n_banks, dtype=np.int64)
+        self.slot_tags = np.zeros(n_banks, dtype=bool)
         half = self.dtype in (torch.float16, torch.bfloat16)
         self.attention = "flash" if self.device.type == "cuda" and half else "exact"
         self.graphs: GraphSet | None = None
@@ -86,12 +91,15 @@ class PackedBackend:
         self.packed.write_slots([slot for slot, _ in items], [p.values for _, p in items])
         for slot, patch in items:
             self.head_bank.write(slot, patch.head_weight, patch.head_bias)
+            self.slot_mode[slot] = POOL_MODES[patch.meta.pooling]
+            self.slot_width[slot] = patch.head_weight.shape[0]
+            self.slot_tags[slot] = patch.meta.kind == "token-classification"
 
     def launch(self, block: RowBlock, row_slots: np.ndarray, patch_ids: list[str]) -> Pending:
         """One forward of ``block``: pooled vectors and head logits of every row, per-token logits of tagging rows,
         copied to the host in one transfer (waited for here, or with ``overlap`` on CUDA in ``finish``)."""
         lengths = block.lengths
-        modes = block.per_patch([POOL_MODES[p.meta.pooling] for p in block.patches], POOL_MODES[self.base_pooling])
+        modes = self.slot_mode[row_slots]
         n_real, n_rows = block.n_tokens, len(block)
         cuda = self.device.type == "cuda"
         bucket = self.graphs.bucket(n_real, n_rows) if self.graphs is not None else None
@@ -114,7 +122,7 @@ class PackedBackend:
             hidden = self.packed.encode(batch, self.attention)
             pooled = self.packed.pool(hidden, batch, self.head_bank)
         pooled = pooled[:n_rows]
-        tags = block.tags()
+        tags = self.slot_tags[row_slots] & ~block.embed  # rows answered with per-token logits
         parts = [pooled.flatten()]
         if tags.any():  # per-token logits of the tagging rows only, from the same bank of heads
             mask = block.token_mask(tags)
@@ -124,7 +132,7 @@ class PackedBackend:
             parts.append(self.packed.tag(hidden, idx[0], idx[1], self.head_bank).flatten())
         flat_out = torch.cat(parts).float()
         width = int(pooled.shape[1])
-        pending = Pending(patch_ids, block=block, width=width, tags=tags)
+        pending = Pending(patch_ids, block=block, width=width, tags=tags, row_slots=row_slots)
         if not (cuda and self.overlap):  # the batch's one device-to-host copy, waited for here
             pending.host = flat_out.cpu()
             return pending
@@ -142,7 +150,8 @@ class PackedBackend:
         block, host, width, h, tags = pending.block, pending.host, pending.width, self.packed.hidden, pending.tags
         assert host is not None and block is not None and tags is not None
         n_rows = len(block)
-        n_out = block.per_patch([p.head_weight.shape[0] for p in block.patches], 0)
+        assert pending.row_slots is not None
+        n_out = self.slot_width[pending.row_slots]
         pooled = block.embed | (block.keys < 0)
         row = np.arange(n_rows, dtype=np.int64)
         base = row * width + np.where(pooled, 0, h)
