@@ -173,6 +173,30 @@ def test_slot_eviction_reloads_correctly(tiny_bert_dir, tiny_encoder):
     assert runner.slots.stats.evictions >= 6
 
 
+def test_a_failed_load_leaves_the_slots_as_they_were(tiny_bert_dir, tiny_encoder):
+    """Loading a batch's cold patch fails: the batch fails, the cold patch holds no slot, the warm ones are unpinned,
+    and the next batches (the same patches included) run and give what their tasks give alone."""
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2)
+    warm, cold = make_patch(tiny_encoder, "warm", seed=30), make_patch(tiny_encoder, "cold", seed=31)
+    rows = {p.meta.task: _rows(tiny_encoder, p, ["the movie was good"])[0] for p in (warm, cold)}
+    runner.run([rows["warm"]])
+    load = runner.backend.load
+
+    def failing(items):
+        raise RuntimeError("device out of memory")
+
+    runner.backend.load = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.run([rows["warm"], rows["cold"]])
+    assert cold.patch_id not in runner.slots and warm.patch_id in runner.slots
+    assert not runner.slots._pins, "a failed batch left slots pinned"
+    runner.backend.load = load  # type: ignore[method-assign]
+    for _ in range(2):
+        for p in (warm, cold):
+            got = runner.run([rows[p.meta.task]])[0]
+            torch.testing.assert_close(got, _reference(tiny_encoder.model, p, rows[p.meta.task]), rtol=0, atol=1e-5)
+
+
 def test_slot_manager_never_evicts_pinned_slots():
     sm = SlotManager(2)
     m1, load1 = sm.acquire(["a", "b"])

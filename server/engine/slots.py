@@ -6,7 +6,7 @@ has a new id and lands in a new slot, while in-flight batches finish on the old 
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +34,7 @@ class SlotManager:
         self.capacity = capacity
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._free = list(range(capacity - 1, -1, -1))
-        self._pins: Counter[str] = Counter()
+        self._pins: dict[str, int] = {}  # id -> batches in flight using it
         self.stats = SlotStats()
 
     def __contains__(self, patch_id: str) -> bool:
@@ -48,21 +48,24 @@ class SlotManager:
         wanted = list(dict.fromkeys(patch_ids))
         if len(wanted) > self.capacity:
             raise SlotsExhaustedError(f"{len(wanted)} distinct patches in one batch, only {self.capacity} slots")
+        slot_of, pins = self._slot_of, self._pins
         mapping: dict[str, int] = {}
-        to_load: list[tuple[str, int]] = []
+        missing: list[str] = []
         for pid in wanted:  # pin the resident ones first so that loading the others cannot evict them
-            if pid in self._slot_of:
-                self._slot_of.move_to_end(pid)
-                self._pins[pid] += 1
-                mapping[pid] = self._slot_of[pid]
-                self.stats.hits += 1
+            slot = slot_of.get(pid)
+            if slot is None:
+                missing.append(pid)
+                continue
+            slot_of.move_to_end(pid)
+            pins[pid] = pins.get(pid, 0) + 1
+            mapping[pid] = slot
+        self.stats.hits += len(mapping)
+        to_load: list[tuple[str, int]] = []
         try:
-            for pid in wanted:
-                if pid in mapping:
-                    continue
+            for pid in missing:
                 slot = self._take_slot()
-                self._slot_of[pid] = slot
-                self._pins[pid] += 1
+                slot_of[pid] = slot
+                pins[pid] = pins.get(pid, 0) + 1
                 mapping[pid] = slot
                 to_load.append((pid, slot))
                 self.stats.misses += 1
@@ -82,10 +85,14 @@ class SlotManager:
             self._free.append(slot)
 
     def release(self, patch_ids: Sequence[str]) -> None:
+        """Unpin ``patch_ids`` once each (an id no longer pinned, e.g. forgotten after a failed load, is skipped)."""
+        pins = self._pins
         for pid in dict.fromkeys(patch_ids):
-            self._pins[pid] -= 1
-            if self._pins[pid] <= 0:
-                del self._pins[pid]
+            n = pins.get(pid, 0) - 1
+            if n > 0:
+                pins[pid] = n
+            else:
+                pins.pop(pid, None)
 
     def _take_slot(self) -> int:
         if self._free:
