@@ -205,3 +205,39 @@ def test_batcher_overlaps_two_batches(tiny_bert_dir, tiny_encoder, device):
     assert in_flight == 0
     for got, want in zip(outs, alone, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 if device == "cpu" else 2e-3)
+
+
+def test_a_batch_behind_a_finished_one_does_not_wait_for_company(tiny_bert_dir, tiny_encoder):
+    """With overlap_batches, rows that arrive while a batch is launched wait behind it only while the device runs
+    it: on the CPU a launched batch is already done, so they go at once, not after max_wait (a minute here)."""
+    import asyncio
+    import threading
+
+    from patchserve.server.engine.batcher import Batcher
+
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=2, overlap_batches=True)
+    patch = make_patch(tiny_encoder, "t", seed=3)
+    first, second = (_rows(tiny_encoder, patch, [text])[0] for text in SENTENCES[:2])
+    second_queued = threading.Event()
+    launch = runner.launch
+
+    def held_launch(block):  # the first launch finishes only once the second row is queued behind it
+        second_queued.wait(10)
+        return launch(block)
+
+    runner.launch = held_launch  # type: ignore[method-assign]
+
+    async def scenario():
+        batcher = Batcher(runner, max_rows=32, max_wait_ms=60_000)
+        batcher.start()
+        a = batcher.submit(RowBlock.from_rows([first]))
+        await asyncio.sleep(0.1)  # the first batch is being launched (on the runner's thread)
+        b = batcher.submit(RowBlock.from_rows([second]))
+        second_queued.set()
+        outs = await asyncio.wait_for(asyncio.gather(a.future, b.future), 30)
+        await batcher.stop()
+        return outs
+
+    outs = asyncio.run(scenario())
+    for out, row in zip(outs, (first, second), strict=True):
+        torch.testing.assert_close(torch.from_numpy(out.data), runner.run([row])[0], rtol=0, atol=1e-5)

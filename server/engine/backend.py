@@ -31,6 +31,10 @@ class Pending:
     width: int = 0  # hidden + head width of the pooled table
     done: torch.cuda.Event | None = None
 
+    def ready(self) -> bool:
+        """The device has finished the batch (``finish`` would not wait); a batch without an event has."""
+        return self.done is None or self.done.query()
+
 
 class Backend(Protocol):
     """An engine over the frozen encoder with one bank row per slot (and one more for the base encoder)."""

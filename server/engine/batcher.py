@@ -2,14 +2,14 @@
 
 Lifecycle: ``submit(block)`` (a ``RowBlock``: one request in this process, or everything a front end sent in one
 message) -> a ``Job`` in the queue -> the actor cuts batches off the queue's head in arrival order (bounded by max
-rows, max tokens -- real ones on the packed engine, padded ones on the slotted engine --, and max distinct
-patches; a job's rows may span batches, a batch may span jobs) -> launches each on the runner (on its single
-worker thread, or inline in the engine process) -> the job's future resolves with all its rows' outputs once its
-last batch has finished. An idle device starts on whatever is queued at once: rows that arrive while a batch runs
-form the next one (continuous batching), so a lone request never waits for company. With ``overlap_batches`` the
-next batch is launched while the device still runs the previous one, and it may wait up to max wait for more rows
-first. Rows whose request was cancelled (client gone, timeout) are dropped before they reach the device. All of
-it works on arrays: Python work grows with jobs and batches, not with rows.
+rows, max tokens -- real ones on the packed engine, padded ones on the slotted engine --, and max distinct patches; a
+job's rows may span batches, a batch may span jobs) -> launches each on the runner (on its single worker thread, or
+inline in the engine process) -> the job's future resolves with all its rows' outputs once its last batch has
+finished. An idle device starts on whatever is queued at once: rows that arrive while a batch runs form the next one
+(continuous batching), so a lone request never waits for company. With ``overlap_batches`` the next batch is launched
+while the device still runs the previous one; until the device is free (and at most max wait) it takes in more rows.
+Rows whose request was cancelled (client gone, timeout) are dropped before they reach the device. All of it works on
+arrays: Python work grows with jobs and batches, not with rows.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from patchserve.server.engine.slots import SlotsExhaustedError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
+READY_POLL_S = 0.00025  # how often a batch waiting behind a running one asks whether the device is free
 
 
 class OverloadedError(RuntimeError):
@@ -255,14 +256,18 @@ class Batcher:
             if batch:
                 return batch
 
-    async def _collect_behind(self) -> list[Part]:
-        """A batch is still running on the device: the next one may wait up to max_wait for more rows, since it
-        cannot start before the device is free anyway. Empty when nothing is queued."""
+    async def _collect_behind(self, running: Pending) -> list[Part]:
+        """A batch is still running on the device: the next one takes in more rows while it runs, since it cannot
+        start before the device is free anyway -- until the device is free, the batch is full or max_wait has
+        passed. Empty when nothing is queued."""
         if not self._queue:
             return []
         deadline = time.perf_counter() + self.max_wait
-        while self._queued < self.max_rows and (remaining := deadline - time.perf_counter()) > 0:
-            await self._wait(remaining)
+        while self._queued < self.max_rows and not running.ready():
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            await self._wait(min(remaining, READY_POLL_S))  # new rows wake it; the device's end is polled
         return self._select()
 
     async def _loop(self) -> None:
@@ -270,7 +275,7 @@ class Batcher:
         overlaps the device's); then finish the older one. At most two batches are in flight."""
         inflight: deque[tuple[list[Part], Pending, float]] = deque()
         while True:
-            batch = await self._collect() if not inflight else await self._collect_behind()
+            batch = await self._collect() if not inflight else await self._collect_behind(inflight[-1][1])
             if batch:
                 t0 = time.perf_counter()
                 block = RowBlock.concat([job.block.take(take) for job, take in batch])
