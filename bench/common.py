@@ -69,6 +69,14 @@ def sentences(data: Path, seed: int) -> list[str]:
     return texts
 
 
+def batch_rows_axis(arg: str | None, device: str) -> list[int]:
+    """The row bounds a grid runs (``--max-batch-rows``, comma-separated); unset, ``serve``'s default for the
+    device."""
+    from patchserve.server.settings import ServerSettings
+
+    return [int(x) for x in (arg or str(ServerSettings().batch_rows(device.startswith("cuda")))).split(",")]
+
+
 def rss_mb(pid: int) -> float:
     """Resident memory of process ``pid`` and every process below it (a server's engine and front ends), in MB."""
     total, stack = 0, [pid]

@@ -42,7 +42,17 @@ import numpy as np
 import torch
 import zmq
 
-from bench.common import DATA, FREE_MODEL, OUT, append_run, latest_run, model_source, pyplot, sentences
+from bench.common import (
+    DATA,
+    FREE_MODEL,
+    OUT,
+    append_run,
+    batch_rows_axis,
+    latest_run,
+    model_source,
+    pyplot,
+    sentences,
+)
 from bench.http import EngineAlone, device_name
 from patchserve.patches.encoder import load_encoder
 from patchserve.patches.format import Patch
@@ -354,8 +364,7 @@ def main() -> None:
         args.rows, args.outstanding, args.seconds, args.repeats = "8,1", "2048,256", 3.0, 2
     ks = [int(x) for x in args.rows.split(",")]
     outstanding = [int(x) for x in args.outstanding.split(",")]
-    default_rows = ServerSettings().batch_rows(args.device.startswith("cuda"))
-    batch_rows = [int(x) for x in (args.max_batch_rows or str(default_rows)).split(",")]
+    batch_rows = batch_rows_axis(args.max_batch_rows, args.device)
     bounds = list(itertools.product(batch_rows, [int(x) for x in args.max_batch_tokens.split(",")]))
     work = Path(tempfile.mkdtemp(prefix="bench-engine-process-"))
     model = model_source(args.model, work)

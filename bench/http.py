@@ -55,6 +55,7 @@ from bench.common import (
     FREE_MODEL,
     OUT,
     append_run,
+    batch_rows_axis,
     fill_registry,
     latest_run,
     model_source,
@@ -71,7 +72,7 @@ from patchserve.patches.synthetic import random_patch
 from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
-from patchserve.server.settings import ServerSettings, available_cpus, default_workers
+from patchserve.server.settings import available_cpus, default_workers
 
 SETUP = ("workers", "max_batch_rows", "max_batch_tokens", "overlap")  # what one server is started with
 KEYS = (*SETUP, "concurrency", "tasks", "inputs")
@@ -423,8 +424,7 @@ def main() -> None:
         (t, k): wrk_script(work / f"t{t}-k{k}.lua", cell_requests(texts, t, k, rng))
         for t, k in itertools.product(task_counts, inputs)
     }
-    default_rows = ServerSettings().batch_rows(args.device.startswith("cuda"))
-    batch_rows = [int(x) for x in (args.max_batch_rows or str(default_rows)).split(",")]
+    batch_rows = batch_rows_axis(args.max_batch_rows, args.device)
     batch_tokens = [int(x) for x in args.max_batch_tokens.split(",")]
     overlaps = args.overlap_batches.split(",")
     if not set(overlaps) <= {"off", "on"}:
