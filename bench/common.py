@@ -71,10 +71,12 @@ def sentences(data: Path, seed: int) -> list[str]:
 
 def batch_rows_axis(arg: str | None, device: str) -> list[int]:
     """The row bounds a grid runs (``--max-batch-rows``, comma-separated); unset, ``serve``'s default for the
-    device."""
+    device, resolved as the engine resolves it (``auto``, ``mps``)."""
+    from patchserve.patches.encoder import resolve_device
     from patchserve.server.settings import ServerSettings
 
-    return [int(x) for x in (arg or str(ServerSettings().batch_rows(device.startswith("cuda")))).split(",")]
+    default = ServerSettings().batch_rows(resolve_device(device).type != "cpu")
+    return [int(x) for x in (arg or str(default)).split(",")]
 
 
 def rss_mb(pid: int) -> float:
