@@ -139,8 +139,10 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     ``auto`` (float32 then, also on a GPU: the record's own ``precision`` says what arithmetic a run used). Where
     one run trained, ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``:
     the contrastive stage, distillation) at its "off" value changed nothing and is left out too, as is the
-    distillation's temperature without a teacher or at its default (2.0)."""
-    out = {"scales": "none", "head_init": "random", "precision": "auto"} | run_settings
+    distillation's temperature without a teacher or at its default (2.0). Runs recorded before LoRA trained none:
+    no rank, and its targets and alpha at their defaults."""
+    lora = {"lora_rank": None, "lora_targets": RESOLVER.lora_targets, "lora_alpha": RESOLVER.lora_alpha}
+    out = {"scales": "none", "head_init": "random", "precision": "auto", **lora} | run_settings
     if not out.get("distill") or out.get("distill_temperature") == 2.0:  # without a teacher, or its old default
         out.pop("distill_temperature", None)
     for name, off in RETIRED_OPTIONS.items():

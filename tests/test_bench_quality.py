@@ -78,6 +78,20 @@ def test_runs_recorded_with_since_retired_options_off_stay_current_and_on_show_t
     assert not is_current(staged) and differences(staged) == "contrastive=8"
 
 
+def test_runs_recorded_before_lora_stay_current_and_lora_runs_show_their_settings():
+    """Runs recorded before LoRA existed hold no lora_* settings: they trained as today's BitFit defaults do; a lora
+    run differs by its rank, and by targets or alpha where they are not the defaults."""
+    today = settings(TrainConfig(task="quality"))
+    then = {k: v for k, v in today.items() if not k.startswith("lora_")}
+    run = {"set": "rotten_tomatoes", "mode": "bitfit", "train_rows": 8530, "dev_rows": 1066}
+    assert is_current(run | {"settings": then}) and is_current(run | {"settings": today})
+    lora = run | {"settings": today | {"lora_rank": 8}}
+    assert not is_current(lora) and differences(lora) == "lora_rank=8"
+    wider = run | {"settings": today | {"lora_rank": 8, "lora_targets": ["query", "key", "value"]}}
+    assert differences(wider) == "lora_rank=8, lora_targets=['query', 'key', 'value']"
+    assert is_current({**run, "mode": "lora", "settings": settings(TrainConfig(task="quality", lora_rank=8))})
+
+
 def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_it(tmp_path):
     today = settings(TrainConfig(task="quality"))
     base = {"set": "trec", "mode": "bitfit", "metric": "accuracy", "train_rows": 4952, "dev_rows": 500}
