@@ -72,11 +72,10 @@ def sentences(data: Path, seed: int) -> list[str]:
 def batch_rows_axis(arg: str | None, device: str) -> list[int]:
     """The row bounds a grid runs (``--max-batch-rows``, comma-separated); unset, ``serve``'s default for the
     device, resolved as the engine resolves it (``auto``, ``mps``)."""
-    from patchserve.patches.encoder import resolve_device
+    from patchserve.server.engine.local import max_batch_rows
     from patchserve.server.settings import ServerSettings
 
-    default = ServerSettings().batch_rows(resolve_device(device).type != "cpu")
-    return [int(x) for x in (arg or str(default)).split(",")]
+    return [int(x) for x in (arg or str(max_batch_rows(ServerSettings(device=device)))).split(",")]
 
 
 def rss_mb(pid: int) -> float:

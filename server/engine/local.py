@@ -24,13 +24,19 @@ from patchserve.server.settings import ServerSettings
 log = logging.getLogger(__name__)
 
 
+def max_batch_rows(settings: ServerSettings) -> int:
+    """The most rows of one batch on the device ``settings`` resolve to (``auto``, ``mps``): ``max_batch_rows``, or
+    the default for that device."""
+    return settings.batch_rows(resolve_device(settings.device).type != "cpu")
+
+
 class LocalEngine:
     def __init__(self, encoder: Encoder, settings: ServerSettings, metrics: Metrics, *, inline: bool = False) -> None:
         """Move ``encoder`` to the device (the runner owns it from now on) and set up the batcher; ``start`` it
         inside the event loop that will submit rows. ``inline``: run the device on the loop's thread (the engine
         process, whose loop has nothing else to do; see ``Batcher``)."""
         self.metrics = metrics
-        max_rows = settings.batch_rows(resolve_device(settings.device).type != "cpu")
+        max_rows = max_batch_rows(settings)
         self.runner = Runner(
             encoder,
             device=settings.device,
