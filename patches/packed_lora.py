@@ -7,8 +7,11 @@ r the largest rank resident (smaller ranks are zero-padded: exact); a module's l
 of its site's output (the query's to the first third of ``qkv``, and so on). Row 0 is all zeros: the row of every
 task without LoRA, so a mixed batch is one computation.
 
-Two forms compute a batch's products, both exact:
+Three forms compute a batch's products, all exact:
 
+* stacked (few factor rows: a trainer's runs, a server's first LoRA tasks): every row's A stacked into one
+  ``[F*r, in]`` matrix, so the tokens take one plain product ``[N, in] @ [in, F*r]``; each token keeps its own row's
+  r columns (the others are multiplied by 0), then ``@ [F*r, out]``. No gather, no padded layout, static shapes;
 * per row (the exact attention path, the CPU): the tokens are laid out padded per row (the layout the attention
   already uses), and each row's factors are gathered once: ``[R, T, in] @ [R, in, r]``, then ``@ [R, r, out]``;
 * per token (flash attention, CUDA graphs): each token's factors are gathered: static shapes, capturable.
@@ -33,6 +36,9 @@ if TYPE_CHECKING:
 #: LoRA role -> (site, part): the matrix product it updates and which slice of its output
 ROLE_SITE = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "o": ("o", 0), "i": ("i", 0), "f": ("f", 0)}
 SITE_ROLES = {"qkv": ("q", "k", "v"), "o": ("o",), "i": ("i",), "f": ("f",)}
+#: the stacked form is used up to this many stacked columns (factor rows x rank): beyond it, multiplying every token
+#: by every row's A costs more than gathering each row's own (2 CPU cores, the default encoder, 2026-11-28)
+STACKED_MAX_COLUMNS = 64
 
 
 def role_map(packed: PackedBert) -> dict[str, tuple[int, str]]:
@@ -67,14 +73,24 @@ class LowRank:
     """The low-rank products of one batch: ``add(key, x, y)`` is ``y`` (site ``key`` = ``"{layer}.{site}"``'s
     output) plus each token's row's ``(x A^T) B^T`` for each of the site's modules that has factors resident."""
 
-    def __init__(self, factors: LoraFactors | None, batch: PackedBatch) -> None:
+    def __init__(self, factors: LoraFactors | None, batch: PackedBatch, max_stacked: int | None = None) -> None:
         self.factors = factors
         self.batch = batch
         self.per_row = batch.pidx is not None and batch.key_mask is not None
         self.index: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None  # stacked form: [N, F*r], 1 where a column is the token's own row's
+        self.stacked = False
         if factors is not None and factors.a:
+            first = next(iter(factors.a.values()))
+            n_rows, rank = int(first.shape[0]), int(first.shape[1])
+            self.stacked = n_rows * rank <= (STACKED_MAX_COLUMNS if max_stacked is None else max_stacked)
+            if self.stacked:
+                self.per_row = False
             slots = batch.row_slot if self.per_row else batch.tok_slot
             self.index = slots if factors.rows is None else factors.rows.index_select(0, slots)
+            if self.stacked and n_rows > 1:
+                column_row = torch.arange(n_rows, device=first.device).repeat_interleave(rank)
+                self.keep = (self.index.unsqueeze(1) == column_row).to(first.dtype)
 
     def add(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.factors is None or self.index is None:
@@ -99,6 +115,12 @@ class LowRank:
 
     def _product(self, name: str, x: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
         assert self.factors is not None and self.index is not None
+        if self.stacked:  # [N, in] @ [in, F*r], each token's own r columns kept, @ [F*r, out]
+            a, b = self.factors.a[name], self.factors.b[name]  # [F, r, in], [F, out, r]
+            h = x @ a.reshape(-1, a.shape[-1]).to(x.dtype).t()
+            if self.keep is not None:
+                h = h * self.keep.to(x.dtype)
+            return h @ b.permute(1, 0, 2).reshape(b.shape[1], -1).to(x.dtype).t()
         a = self.factors.a[name].index_select(0, self.index).to(x.dtype)
         b = self.factors.b[name].index_select(0, self.index).to(x.dtype)
         if padded is None:  # per token: [N, r, in] @ [N, in, 1], then [N, out, r] @ [N, r, 1]

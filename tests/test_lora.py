@@ -89,8 +89,9 @@ def test_slots_keep_their_factors_when_the_bank_grows(tiny_bert_dir, tiny_encode
         torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
 
 
-def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
-    """The per-token gather (flash attention and CUDA graphs use it) computes what the per-row form does."""
+def test_the_three_forms_of_the_low_rank_products_agree(tiny_encoder, mixed_patches):
+    """The per-token gather (flash attention and CUDA graphs use it) and the stacked form (few factor rows) compute
+    what the per-row form does."""
     packed = PackedBert(copy.deepcopy(tiny_encoder.model), 6)
     packed.write_slots(list(range(5)), [p.values for p in mixed_patches])
     rows = _mixed_rows(tiny_encoder, mixed_patches, n=8, seed=3)
@@ -102,9 +103,10 @@ def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
     batch = batch_views(flat, n, r, int(block.lengths.max()))
     add_exact_attention(batch, block.lengths.tolist())
     assert packed.lora is not None
-    per_row = LowRank(packed.lora.factors, batch)
-    per_token = LowRank(packed.lora.factors, replace(batch, pidx=None, key_mask=None))
-    assert per_row.per_row and not per_token.per_row
+    per_row = LowRank(packed.lora.factors, batch, max_stacked=0)
+    per_token = LowRank(packed.lora.factors, replace(batch, pidx=None, key_mask=None), max_stacked=0)
+    stacked = LowRank(packed.lora.factors, batch, max_stacked=10**6)
+    assert per_row.per_row and not per_token.per_row and not per_token.stacked and stacked.stacked
     layer = packed.layers[0]
     dims = {"qkv": layer.wqkv.shape, "o": layer.wo.shape, "i": layer.wi.shape, "f": layer.wf.shape}  # [out, in]
     sites = {f"{k.split('.')[0]}.{ROLE_SITE[k.split('.')[1]][0]}" for k in packed.lora.factors.a}
@@ -115,6 +117,7 @@ def test_per_token_form_equals_per_row_form(tiny_encoder, mixed_patches):
         got = per_token.add(key, x, zero)
         assert got.abs().max() > 0, key
         torch.testing.assert_close(got, per_row.add(key, x, zero), rtol=0, atol=1e-5)
+        torch.testing.assert_close(stacked.add(key, x, zero), got, rtol=0, atol=1e-5)
 
 
 def test_format_round_trip_and_summary(tiny_encoder, mixed_patches):

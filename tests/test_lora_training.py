@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from patchserve.patches import packed_lora
 from patchserve.patches.bitfit import apply_values, bias_parameters
 from patchserve.patches.format import LORA_A, LORA_B
 from patchserve.patches.lora import LoraSpec, lora_shapes, targets_of
@@ -42,8 +43,12 @@ def _factors(encoder, spec, seed):
     return out
 
 
+@pytest.mark.parametrize("form", ["stacked", "per-row"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_lora_logits_and_gradients_equal_the_padded_model(tiny_encoder, case):
+def test_lora_logits_and_gradients_equal_the_padded_model(tiny_encoder, case, form, monkeypatch):
+    """In both forms the CPU trains with: stacked (a few runs' factors) and per row (many)."""
+    if form == "per-row":
+        monkeypatch.setattr(packed_lora, "STACKED_MAX_COLUMNS", 0)
     kind, pooling, n_out, targets = CASES[case]
     encoder = _perturbed(tiny_encoder.model, seed=1)
     spec = LoraSpec(tuple(targets_of(encoder, targets)), rank=3, alpha=6.0)
