@@ -16,8 +16,8 @@ every iteration so drift hits all alike:
 * engine_ia3: a second runner whose tasks are ``bitfit-ia3`` patches (the same biases and heads, plus (IA)^3 scales
   on every layer's keys, values and intermediate), so every row also multiplies in its own scales: what the opt-in
   patch kind costs to serve (``ratio_ia3_vs_engine``, its time over the engine's);
-* engine_lora: the same with ``lora`` patches (the same biases and heads, plus rank-8 LoRA on every layer's query and
-  value, PEFT's default targets): ``ratio_lora_vs_engine``.
+* engine_lora: the same with ``lora`` patches (the same biases and heads, plus rank-8 LoRA on ``--lora-targets`` of
+  every layer: by default the trainer's, every linear layer): ``ratio_lora_vs_engine``.
 
 Times are medians over the iterations (host tensors in, host logits out, device synchronised); the engine is also
 timed pipelined, as the server's batcher runs it (the next batch launched before the previous one is finished).
@@ -51,7 +51,9 @@ from patchserve.patches.encoder import Encoder, load_encoder
 from patchserve.patches.format import Patch
 from patchserve.patches.model import pool
 from patchserve.patches.synthetic import random_patch
+from patchserve.patches.train_config import DEFAULT_TARGETS
 from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
 
 OUT = ROOT / "docs" / "benchmarks"
@@ -71,6 +73,7 @@ class Paths:
         naive_enc = load_encoder(args.model)
         self.naive = naive_enc.model.to(self.device, self.dtype).eval()
         self.encoder: Encoder = self.plain_enc
+        self.lora_targets: tuple[str, ...] = tuple(args.lora_targets)
         self.patches = [
             random_patch(
                 self.plain_enc, f"task{i}", seed=i, scale=0.05, subset="all" if i % 2 else "query-intermediate"
@@ -95,11 +98,12 @@ class Paths:
         self.twin_of = {
             path: {
                 p.patch_id: random_patch(
-                    self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, **noise
+                    self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, **noise, **extra
                 )
                 for i, p in enumerate(self.patches)
             }
             for path, noise in TWINS.items()
+            for extra in [{"lora_targets": self.lora_targets} if "lora_rank" in noise else {}]
         }
         # each batch's rows with their twins, by path and the batch list's id; the list is kept with them, so the id
         # cannot be reused by a later batch while the entry stands
@@ -244,6 +248,7 @@ def measure(
         "ratio_ia3_vs_engine": round(med["engine_ia3"] / med["engine"], 3),
         "ratio_lora_vs_engine": round(med["engine_lora"] / med["engine"], 3),
         "lora_rank": LORA_RANK,
+        "lora_targets": list(paths.lora_targets),
         "ops_engine": paths.count_ops(paths.run_engine, rows),
         "ops_plain": paths.count_ops(paths.run_plain, rows),
         "ops_naive": paths.count_ops(paths.run_naive, rows),
@@ -260,7 +265,7 @@ def pipelined_seconds(paths: Paths, batches: list[list[Row]]) -> float:
     t0 = time.perf_counter()
     previous = None
     for rows in batches:
-        pending = runner.launch(rows)
+        pending = runner.launch(RowBlock.from_rows(rows))  # as run() takes them
         if previous is not None:
             runner.finish(previous)
         previous = pending
@@ -291,7 +296,8 @@ def render(jsonl: Path) -> None:
         "show the latest of each). rows/s: median over the iterations; `vs plain` / `vs naive`: the engine's",
         "throughput over that path's on the same rows; `bitfit-ia3 time / engine`: the engine's time on the same",
         "rows when every task is a bitfit-ia3 patch (biases plus (IA)^3 scales), over its time with BitFit patches;",
-        "`lora time / engine`: the same with lora patches (rank-8 LoRA on every layer's query and value);",
+        "`lora time / engine`: the same with lora patches (rank-8 LoRA on the layers a run's `lora_targets` names;",
+        "query and value in runs that do not name them);",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -411,6 +417,13 @@ def main() -> None:
     ap.add_argument("--dists", default="uniform,zipf", help="how rows pick tasks in the full run")
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per configuration (fewer at big batches)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=list(DEFAULT_TARGETS),
+        choices=DEFAULT_TARGETS,
+        help="the layers the lora path's patches update (default: the trainer's, all of them)",
+    )
     ap.add_argument("--quick", action="store_true", help="100 tasks, batch 32, uniform; prints one JSON line")
     ap.add_argument("--out", type=Path, default=OUT / "engine.jsonl", help="JSON lines of the full run (appended)")
     ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from --out")

@@ -59,7 +59,7 @@ BERT_BASE = {
 }
 TEXT = "the good movie was very fun"
 # the opt-in patch kinds sized beside BitFit: (IA)^3 scales, and LoRA of rank 8 on query and value (PEFT's default)
-KINDS = {"bitfit-ia3": {"ia3_scale": 0.05}, "lora": {"lora_rank": 8}}
+KINDS = {"bitfit-ia3": {"ia3_scale": 0.05}, "lora": {"lora_rank": 8, "lora_targets": ("query", "value")}}
 
 
 def sizing(models: dict[str, str]) -> list[dict[str, Any]]:

@@ -63,7 +63,7 @@ MODES = {
     "bitfit": {"bias_subset": "all"},
     "bitfit-qi": {"bias_subset": "query-intermediate"},
     "full": {"full": True},
-    "lora": {"lora_rank": 8},  # the opt-in lora patch: rank 8 on query and value (PEFT's default targets)
+    "lora": {"lora_rank": 8},  # the opt-in lora patch: rank 8 on its default targets (every linear layer)
 }
 MODE_NAMES = {
     "bitfit": "BitFit (all)",
@@ -140,9 +140,10 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     one run trained, ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``:
     the contrastive stage, distillation) at its "off" value changed nothing and is left out too, as is the
     distillation's temperature without a teacher or at its default (2.0). Runs recorded before LoRA trained none:
-    no rank, and its targets and alpha at their defaults."""
-    lora = {"lora_rank": None, "lora_targets": RESOLVER.lora_targets, "lora_alpha": RESOLVER.lora_alpha}
-    out = {"scales": "none", "head_init": "random", "precision": "auto", **lora} | run_settings
+    no rank. Without a rank, LoRA's targets and alpha act on nothing and count as today's defaults."""
+    out = {"scales": "none", "head_init": "random", "precision": "auto", "lora_rank": None} | run_settings
+    if out["lora_rank"] is None:
+        out |= {"lora_targets": RESOLVER.lora_targets, "lora_alpha": RESOLVER.lora_alpha}
     if not out.get("distill") or out.get("distill_temperature") == 2.0:  # without a teacher, or its old default
         out.pop("distill_temperature", None)
     for name, off in RETIRED_OPTIONS.items():

@@ -90,6 +90,10 @@ def test_runs_recorded_before_lora_stay_current_and_lora_runs_show_their_setting
     wider = run | {"settings": today | {"lora_rank": 8, "lora_targets": ["query", "key", "value"]}}
     assert differences(wider) == "lora_rank=8, lora_targets=['query', 'key', 'value']"
     assert is_current({**run, "mode": "lora", "settings": settings(TrainConfig(task="quality", lora_rank=8))})
+    # BitFit runs recorded while LoRA's default targets were query and value: without a rank they act on nothing
+    assert is_current(run | {"settings": today | {"lora_targets": ["query", "value"]}})
+    old_lora = {**run, "mode": "lora", "settings": today | {"lora_rank": 8, "lora_targets": ["query", "value"]}}
+    assert not is_current(old_lora) and differences(old_lora) == "lora_targets=['query', 'value'], lr=0.003"
 
 
 def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_it(tmp_path):

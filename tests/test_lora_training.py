@@ -94,7 +94,7 @@ def test_a_trained_lora_patch_serves_as_the_trained_model(tmp_path, tiny_encoder
     patch = result.patch
     assert patch is not None and patch.meta.patch_type == "lora" and patch.lora_rank == 2
     n_layers = len(tiny_encoder.model.encoder.layer)
-    assert len(patch.lora) == 2 * 2 * n_layers  # query and value, A and B, every layer
+    assert len(patch.lora) == 6 * 2 * n_layers  # the default targets (every linear layer), A and B, every layer
     assert any(t.abs().max() > 0 for n, t in patch.lora.items() if n.endswith(LORA_B))  # B has moved off zero
     runner = Runner(tiny_encoder, device="cpu", slots=4, engine="packed")
     enc = tiny_encoder.tokenizer([e.text for e in dev.examples[:6]])
