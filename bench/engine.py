@@ -108,11 +108,12 @@ class Paths:
         # each batch's rows with their twins, by path and the batch list's id; the list is kept with them, so the id
         # cannot be reused by a later batch while the entry stands
         self._twin_rows: dict[tuple[str, int], tuple[list[Row], list[Row]]] = {}
+        empty = self.plain_enc.tokenizer("")["input_ids"]  # [CLS] [SEP] in this encoder's vocabulary
         for i in range(0, n_tasks, 128):  # every task resident: the steady state, not slot loading
-            self.runner.run([Row([101, 102], [0, 0], p) for p in self.patches[i : i + 128]])
+            self.runner.run([Row(empty, [0] * len(empty), p) for p in self.patches[i : i + 128]])
             for path, runner in self.twin_runners.items():
                 twins = self.twin_of[path]
-                runner.run([Row([101, 102], [0, 0], twins[p.patch_id]) for p in self.patches[i : i + 128]])
+                runner.run([Row(empty, [0] * len(empty), twins[p.patch_id]) for p in self.patches[i : i + 128]])
 
     def sync(self) -> None:
         if self.device.type == "cuda":
