@@ -90,7 +90,8 @@ class Paths:
             for p in self.patches
         }
         # each scaled path's runner, and each task's twin there: the same seed, so the same biases and head, plus
-        # (IA)^3 scales (bitfit-ia3)
+        # (IA)^3 scales (bitfit-ia3) or LoRA factors on --lora-targets (lora)
+        noises = {**TWINS, "engine_lora": {**TWINS["engine_lora"], "lora_targets": self.lora_targets}}
         self.twin_runners = {
             path: Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
             for path in TWINS
@@ -98,12 +99,11 @@ class Paths:
         self.twin_of = {
             path: {
                 p.patch_id: random_patch(
-                    self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, **noise, **extra
+                    self.plain_enc, p.meta.task, seed=i, scale=0.05, subset=p.meta.bias_subset, **noise
                 )
                 for i, p in enumerate(self.patches)
             }
-            for path, noise in TWINS.items()
-            for extra in [{"lora_targets": self.lora_targets} if "lora_rank" in noise else {}]
+            for path, noise in noises.items()
         }
         # each batch's rows with their twins, by path and the batch list's id; the list is kept with them, so the id
         # cannot be reused by a later batch while the entry stands

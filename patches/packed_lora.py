@@ -12,9 +12,11 @@ Three forms compute a batch's products, all exact:
 * stacked (few factor rows: a trainer's runs, a server's first LoRA tasks): every row's A stacked into one
   ``[F*r, in]`` matrix, so the tokens take one plain product ``[N, in] @ [in, F*r]``; each token keeps its own row's
   r columns (the others are multiplied by 0), then ``@ [F*r, out]``. No gather, no padded layout, static shapes;
-* per row (the exact attention path, the CPU): the tokens are laid out padded per row (the layout the attention
-  already uses), and each row's factors are gathered once: ``[R, T, in] @ [R, in, r]``, then ``@ [R, r, out]``;
-* per token (flash attention, CUDA graphs): each token's factors are gathered: static shapes, capturable.
+* per segment (the CPU): a row's tokens are contiguous, so each run of tokens that shares a factor row takes two
+  plain products with that row's own factors, added in place to its rows of the output. No gather, no padding, and
+  rows without LoRA cost nothing (a batch of BitFit rows on a server with LoRA tasks pays no LoRA product). Host-side
+  offsets and one small product per segment: right for the CPU, not for a GPU;
+* per token (other devices, CUDA graphs): each token's factors are gathered: static shapes, capturable.
 
 A server's ``LoraBank`` gives LoRA rows only to slots that hold a LoRA patch (``rows``: slot -> row), so a server of
 BitFit patches allocates and computes nothing for LoRA until the first LoRA patch arrives.
@@ -37,8 +39,10 @@ if TYPE_CHECKING:
 ROLE_SITE = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "o": ("o", 0), "i": ("i", 0), "f": ("f", 0)}
 SITE_ROLES = {"qkv": ("q", "k", "v"), "o": ("o",), "i": ("i",), "f": ("f",)}
 #: the stacked form is used up to this many stacked columns (factor rows x rank): beyond it, multiplying every token
-#: by every row's A costs more than gathering each row's own (2 CPU cores, the default encoder, 2026-11-28)
-STACKED_MAX_COLUMNS = 64
+#: by every row's A costs more than each segment's own products (2 CPU cores, the default encoder, batch 32, lora on
+#: every linear layer, over a BitFit batch: 32 columns stacked 1.25x, per segment 1.29x; 64 columns 1.36x against
+#: 1.32x; 2026-11-28). Not measured on a GPU, where the alternative is the per-token gather.
+STACKED_MAX_COLUMNS = 32
 
 
 def role_map(packed: PackedBert) -> dict[str, tuple[int, str]]:
@@ -71,63 +75,82 @@ class LoraFactors:
 
 class LowRank:
     """The low-rank products of one batch: ``add(key, x, y)`` is ``y`` (site ``key`` = ``"{layer}.{site}"``'s
-    output) plus each token's row's ``(x A^T) B^T`` for each of the site's modules that has factors resident."""
+    output) plus each token's row's ``(x A^T) B^T`` for each of the site's modules that has factors resident.
 
-    def __init__(self, factors: LoraFactors | None, batch: PackedBatch, max_stacked: int | None = None) -> None:
+    ``form``: ``"stacked"``, ``"segments"`` or ``"tokens"`` (the module docstring), None without factors or without
+    a LoRA row in the batch."""
+
+    def __init__(self, factors: LoraFactors | None, batch: PackedBatch, form: str | None = None) -> None:
+        """``form`` forces one (tests); by default stacked while factor rows x rank <= ``STACKED_MAX_COLUMNS``, else
+        per segment on the CPU, per token on other devices."""
         self.factors = factors
-        self.batch = batch
-        self.per_row = batch.pidx is not None and batch.key_mask is not None
-        self.index: torch.Tensor | None = None
+        self.form: str | None = None
+        self.index: torch.Tensor | None = None  # stacked and per-token forms: each token's factor row
         self.keep: torch.Tensor | None = None  # stacked form: [N, F*r], 1 where a column is the token's own row's
-        self.stacked = False
-        if factors is not None and factors.a:
-            first = next(iter(factors.a.values()))
-            n_rows, rank = int(first.shape[0]), int(first.shape[1])
-            self.stacked = n_rows * rank <= (STACKED_MAX_COLUMNS if max_stacked is None else max_stacked)
-            if self.stacked:
-                self.per_row = False
-            slots = batch.row_slot if self.per_row else batch.tok_slot
-            self.index = slots if factors.rows is None else factors.rows.index_select(0, slots)
-            if self.stacked and n_rows > 1:
-                column_row = torch.arange(n_rows, device=first.device).repeat_interleave(rank)
-                self.keep = (self.index.unsqueeze(1) == column_row).to(first.dtype)
+        self.segments: list[tuple[int, int, int]] = []  # per-segment form: (start, end, factor row)
+        if factors is None or not factors.a:
+            return
+        first = next(iter(factors.a.values()))
+        n_rows, rank = int(first.shape[0]), int(first.shape[1])
+        if form is None:
+            stacked = n_rows * rank <= STACKED_MAX_COLUMNS
+            form = "stacked" if stacked else "segments" if batch.ids.device.type == "cpu" else "tokens"
+        if form == "segments":
+            self.segments = _segments(batch, factors.rows)
+            self.form = "segments" if self.segments else None
+            return
+        self.form = form
+        slots = batch.tok_slot
+        self.index = slots if factors.rows is None else factors.rows.index_select(0, slots)
+        if self.form == "stacked" and n_rows > 1:
+            column_row = torch.arange(n_rows, device=first.device).repeat_interleave(rank)
+            self.keep = (self.index.unsqueeze(1) == column_row).to(first.dtype)
 
     def add(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.factors is None or self.index is None:
+        if self.factors is None or self.form is None:
             return y
         layer, site = key.split(".")
-        parts = [
-            (p, f"{layer}.{role}") for p, role in enumerate(SITE_ROLES[site]) if f"{layer}.{role}" in self.factors.a
-        ]
-        if not parts:
-            return y
-        padded = None
-        if self.per_row:  # the tokens in the attention's padded layout, once for the site's modules
-            pidx, key_mask = self.batch.pidx, self.batch.key_mask
-            assert pidx is not None and key_mask is not None
-            r, t = key_mask.shape[0], key_mask.shape[-1]
-            padded = x.new_zeros(r * t, x.shape[1]).index_copy(0, pidx, x).view(r, t, -1)
-        width = y.shape[1] // len(SITE_ROLES[site])
-        for part, name in parts:
-            delta = self._product(name, x, padded)
-            y = y + delta if len(SITE_ROLES[site]) == 1 else _add_at(y, delta, part * width)
+        roles = SITE_ROLES[site]
+        width = y.shape[1] // len(roles)
+        for part, role in enumerate(roles):
+            name = f"{layer}.{role}"
+            if name not in self.factors.a:
+                continue
+            a, b = self.factors.a[name].to(x.dtype), self.factors.b[name].to(x.dtype)  # [F, r, in], [F, out, r]
+            if self.form == "segments":  # in place, each segment's product added to its rows of y's part
+                out = y if len(roles) == 1 else y[:, part * width : (part + 1) * width]
+                at, bt = a.transpose(1, 2), b.transpose(1, 2)
+                for start, end, row in self.segments:
+                    out[start:end].addmm_(x[start:end] @ at[row], bt[row])
+                continue
+            if self.form == "stacked":  # [N, in] @ [in, F*r], each token's own r columns kept, @ [F*r, out]
+                h = x @ a.reshape(-1, a.shape[-1]).t()
+                if self.keep is not None:
+                    h = h * self.keep.to(x.dtype)
+                delta = h @ b.permute(1, 0, 2).reshape(b.shape[1], -1).t()
+            else:  # per token: [N, r, in] @ [N, in, 1], then [N, out, r] @ [N, r, 1]
+                assert self.index is not None
+                a, b = a.index_select(0, self.index), b.index_select(0, self.index)
+                delta = torch.bmm(b, torch.bmm(a, x.unsqueeze(2))).squeeze(2)
+            y = y + delta if len(roles) == 1 else _add_at(y, delta, part * width)
         return y
 
-    def _product(self, name: str, x: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
-        assert self.factors is not None and self.index is not None
-        if self.stacked:  # [N, in] @ [in, F*r], each token's own r columns kept, @ [F*r, out]
-            a, b = self.factors.a[name], self.factors.b[name]  # [F, r, in], [F, out, r]
-            h = x @ a.reshape(-1, a.shape[-1]).to(x.dtype).t()
-            if self.keep is not None:
-                h = h * self.keep.to(x.dtype)
-            return h @ b.permute(1, 0, 2).reshape(b.shape[1], -1).to(x.dtype).t()
-        a = self.factors.a[name].index_select(0, self.index).to(x.dtype)
-        b = self.factors.b[name].index_select(0, self.index).to(x.dtype)
-        if padded is None:  # per token: [N, r, in] @ [N, in, 1], then [N, out, r] @ [N, r, 1]
-            return torch.bmm(b, torch.bmm(a, x.unsqueeze(2))).squeeze(2)
-        assert self.batch.pidx is not None
-        delta = torch.bmm(torch.bmm(padded, a.transpose(1, 2)), b.transpose(1, 2))  # [R, T, out]
-        return delta.view(-1, delta.shape[-1]).index_select(0, self.batch.pidx)
+
+def _segments(batch: PackedBatch, rows: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """The batch's runs of tokens that share a factor row: ``(start, end, row)``, rows without LoRA (row 0) left out
+    (a trainer's factors, ``rows`` None, have no zero row: row = slot)."""
+    factor_row = batch.row_slot if rows is None else rows.index_select(0, batch.row_slot)
+    offsets = batch.cu.tolist()
+    out: list[tuple[int, int, int]] = []
+    for i, row in enumerate(factor_row.tolist()):
+        start, end = offsets[i], offsets[i + 1]
+        if end <= start or (row == 0 and rows is not None):
+            continue
+        if out and out[-1][1] == start and out[-1][2] == row:
+            out[-1] = (out[-1][0], end, row)
+        else:
+            out.append((start, end, row))
+    return out
 
 
 def _add_at(y: torch.Tensor, delta: torch.Tensor, start: int) -> torch.Tensor:

@@ -90,8 +90,8 @@ def test_slots_keep_their_factors_when_the_bank_grows(tiny_bert_dir, tiny_encode
 
 
 def test_the_three_forms_of_the_low_rank_products_agree(tiny_encoder, mixed_patches):
-    """The per-token gather (flash attention and CUDA graphs use it) and the stacked form (few factor rows) compute
-    what the per-row form does."""
+    """The per-token gather (GPUs and CUDA graphs use it) and the stacked form (few factor rows) compute what the
+    per-segment form (the CPU's) does; a batch without LoRA rows takes no product."""
     packed = PackedBert(copy.deepcopy(tiny_encoder.model), 6)
     packed.write_slots(list(range(5)), [p.values for p in mixed_patches])
     rows = _mixed_rows(tiny_encoder, mixed_patches, n=8, seed=3)
@@ -103,10 +103,13 @@ def test_the_three_forms_of_the_low_rank_products_agree(tiny_encoder, mixed_patc
     batch = batch_views(flat, n, r, int(block.lengths.max()))
     add_exact_attention(batch, block.lengths.tolist())
     assert packed.lora is not None
-    per_row = LowRank(packed.lora.factors, batch, max_stacked=0)
-    per_token = LowRank(packed.lora.factors, replace(batch, pidx=None, key_mask=None), max_stacked=0)
-    stacked = LowRank(packed.lora.factors, batch, max_stacked=10**6)
-    assert per_row.per_row and not per_token.per_row and not per_token.stacked and stacked.stacked
+    segments = LowRank(packed.lora.factors, batch, form="segments")
+    per_token = LowRank(packed.lora.factors, batch, form="tokens")
+    stacked = LowRank(packed.lora.factors, batch, form="stacked")
+    assert (segments.form, per_token.form, stacked.form) == ("segments", "tokens", "stacked")
+    lora_rows = [i for i, r in enumerate(rows) if r.patch.lora]
+    assert 0 < len(lora_rows) < len(rows)  # mixed: the BitFit rows have no segment
+    assert {row for _, _, row in segments.segments} == {int(packed.lora.rows[int(slots[i])]) for i in lora_rows}
     layer = packed.layers[0]
     dims = {"qkv": layer.wqkv.shape, "o": layer.wo.shape, "i": layer.wi.shape, "f": layer.wf.shape}  # [out, in]
     sites = {f"{k.split('.')[0]}.{ROLE_SITE[k.split('.')[1]][0]}" for k in packed.lora.factors.a}
@@ -116,8 +119,11 @@ def test_the_three_forms_of_the_low_rank_products_agree(tiny_encoder, mixed_patc
         x, zero = torch.randn(n, in_f), torch.zeros(n, out_f)
         got = per_token.add(key, x, zero)
         assert got.abs().max() > 0, key
-        torch.testing.assert_close(got, per_row.add(key, x, zero), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, segments.add(key, x, zero.clone()), rtol=0, atol=1e-5)
         torch.testing.assert_close(stacked.add(key, x, zero), got, rtol=0, atol=1e-5)
+    bitfit_only = replace(packed.lora.factors, rows=torch.zeros_like(packed.lora.rows))  # every slot without LoRA
+    none = LowRank(bitfit_only, batch, form="segments")
+    assert none.form is None and none.add(next(iter(sites)), x, zero) is zero
 
 
 def test_format_round_trip_and_summary(tiny_encoder, mixed_patches):

@@ -43,11 +43,11 @@ def _factors(encoder, spec, seed):
     return out
 
 
-@pytest.mark.parametrize("form", ["stacked", "per-row"])
+@pytest.mark.parametrize("form", ["stacked", "segments"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_lora_logits_and_gradients_equal_the_padded_model(tiny_encoder, case, form, monkeypatch):
-    """In both forms the CPU trains with: stacked (a few runs' factors) and per row (many)."""
-    if form == "per-row":
+    """In both forms the CPU trains with: stacked (a few runs' factors) and per segment (many)."""
+    if form == "segments":
         monkeypatch.setattr(packed_lora, "STACKED_MAX_COLUMNS", 0)
     kind, pooling, n_out, targets = CASES[case]
     encoder = _perturbed(tiny_encoder.model, seed=1)
