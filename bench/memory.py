@@ -58,8 +58,13 @@ BERT_BASE = {
     "max_position_embeddings": 512,
 }
 TEXT = "the good movie was very fun"
-# the opt-in patch kinds sized beside BitFit: (IA)^3 scales, and LoRA of rank 8 on query and value (PEFT's default)
-KINDS = {"bitfit-ia3": {"ia3_scale": 0.05}, "lora": {"lora_rank": 8, "lora_targets": ("query", "value")}}
+# the opt-in patch kinds sized beside BitFit: (IA)^3 scales, LoRA of rank 8 on every linear layer (the trainer's
+# default targets) and on query and value only (PEFT's default for BERT)
+KINDS = {
+    "bitfit-ia3": {"ia3_scale": 0.05},
+    "lora": {"lora_rank": 8},
+    "lora-qv": {"lora_rank": 8, "lora_targets": ("query", "value")},
+}
 
 
 def sizing(models: dict[str, str]) -> list[dict[str, Any]]:
@@ -213,14 +218,17 @@ def render(jsonl: Path) -> None:
         md += [
             "",
             "By patch kind, half precision: a bitfit-ia3 task adds its (IA)^3 scale rows (every slot gets them once "
-            "the first such patch is resident); a lora task (rank 8 on every layer's query and value) adds a row of "
-            "LoRA factors, which only LoRA tasks take.",
+            "the first such patch is resident); a lora task adds a row of LoRA factors, which only LoRA tasks take: "
+            "rank 8 on all six linear layers of every encoder layer (the trainer's default), and on query and value "
+            "only (PEFT's default for BERT).",
             "",
-            "| encoder | bitfit bytes/task | bitfit-ia3 bytes/task | lora bytes/task | lora patch file |",
-            "|---|---:|---:|---:|---:|",
+            "| encoder | bitfit bytes/task | bitfit-ia3 bytes/task | lora bytes/task | lora patch file "
+            "| lora (query, value) bytes/task | its patch file |",
+            "|---|---:|---:|---:|---:|---:|---:|",
             *(
                 f"| {s['encoder']} | {s['bytes_per_task_half']:,} | {s['bytes_per_task_half_bitfit-ia3']:,} | "
-                f"{s['bytes_per_task_half_lora']:,} | {s['patch_file_bytes_lora']:,} |"
+                f"{s['bytes_per_task_half_lora']:,} | {s['patch_file_bytes_lora']:,} | "
+                f"{s['bytes_per_task_half_lora-qv']:,} | {s['patch_file_bytes_lora-qv']:,} |"
                 for s in kinds
             ),
         ]

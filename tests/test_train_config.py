@@ -85,7 +85,7 @@ def test_mode_defaults_fill_what_the_config_leaves_open():
     mine = TrainConfig(task="t", lr=1e-3, epochs=2, patience=3).resolved()
     assert (mine.lr, mine.epochs, mine.patience) == (1e-3, 2, 3)
     lora = TrainConfig(task="t", lora_rank=8).resolved()  # BitFit's budget at LoRA's rate, on every linear layer
-    assert (lora.lr, lora.epochs, lora.patience) == (1e-3, 10.0, 40) and len(lora.lora_targets) == 6
+    assert (lora.lr, lora.epochs, lora.patience) == (1e-3, 5.0, 40) and len(lora.lora_targets) == 6
     assert TrainConfig(task="t", lora_rank=8, lr=3e-3).resolved().lr == 3e-3
 
 
