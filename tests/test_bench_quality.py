@@ -93,7 +93,9 @@ def test_runs_recorded_before_lora_stay_current_and_lora_runs_show_their_setting
     # BitFit runs recorded while LoRA's default targets were query and value: without a rank they act on nothing
     assert is_current(run | {"settings": today | {"lora_targets": ["query", "value"]}})
     old_lora = {**run, "mode": "lora", "settings": today | {"lora_rank": 8, "lora_targets": ["query", "value"]}}
-    assert not is_current(old_lora) and differences(old_lora) == "lora_targets=['query', 'value'], lr=0.003"
+    # recorded at BitFit's budget too, before LoRA's own 5 epochs
+    expected = "lora_targets=['query', 'value'], epochs=10.0, lr=0.003"
+    assert not is_current(old_lora) and differences(old_lora) == expected
 
 
 def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_it(tmp_path):
