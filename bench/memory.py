@@ -270,12 +270,12 @@ def render(jsonl: Path) -> None:
         )
     md += [
         "",
-        "Reading it: a cold task costs about 10 ms more than a warm one on either registry (a ~110 KB read, parse, "
-        "checks and a slot load; patches that arrive together fold together, ~0.5 ms each instead of ~2 ms). "
-        "Registering on disk slows as tasks accumulate (11-12 ms each with 100 tasks, ~23 ms with 1,000): every "
-        "change makes each server's watcher diff a snapshot of every task's current version (~30 ms for 1,000). On "
-        "Redis a watcher reads only the tasks the registry's change log names, so a registration costs the same "
-        "whatever the task count (8.6 ms each with 1,000; 28 ms before the log, when Redis watchers diffed "
+        "Reading it: a cold task costs about 10-13 ms more than a warm one on either registry (a ~110 KB read, "
+        "parse, checks and a slot load; patches that arrive together fold together, ~0.5 ms each instead of ~2 ms). "
+        "Registering on disk slows as tasks accumulate (11-12 ms each with 100 tasks, 16-23 ms with 1,000 over the "
+        "runs recorded): every change makes each server's watcher diff a snapshot of every task's current version. "
+        "On Redis a watcher reads only the tasks the registry's change log names, so a registration costs the same "
+        "whatever the task count (6-9 ms each with 1,000; 28 ms before the log, when Redis watchers diffed "
         "snapshots too). Disk is the one-machine backend; replicas share Redis.",
     ]
     (jsonl.parent / "memory.md").write_text("\n".join(md) + "\n")
