@@ -169,6 +169,21 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     return out
 
 
+def epochs_acted_on_nothing(s: dict[str, Any], train_rows: float) -> bool:
+    """Whether a run's ``epochs`` changed nothing in it: ``min_steps`` set its length (its epochs came to fewer
+    updates), it kept its last checkpoint, and its patience outlasted every evaluation, so the evaluations' spacing
+    (the one other thing epochs sets) decided nothing. Small data, where min_steps stretches every run: such runs
+    train alike whatever epochs said."""
+    epochs, min_steps, batch = s.get("epochs"), s.get("min_steps"), s.get("batch_size")
+    if not (epochs and min_steps and batch and math.isfinite(train_rows)) or s.get("max_steps"):
+        return False
+    per_epoch = math.ceil(train_rows / batch)
+    if s.get("checkpoint") != "last" or math.ceil(epochs * per_epoch) > min_steps:
+        return False
+    every = s.get("eval_every") or max(1, min(1000, max(per_epoch, int(min_steps / epochs)) // 4))  # as the trainer
+    return s.get("patience") is not None and s["patience"] >= math.ceil(min_steps / every)
+
+
 RESOLVER = TrainConfig(task="quality")  # resolves an unset restarts / checkpoint exactly as the trainer does
 
 
@@ -187,10 +202,21 @@ def is_current(run: dict) -> bool:
     always counts: it has no settings of ours)."""
     if run["mode"] in BASELINES:
         return True
+    if "settings" not in run:
+        return False
+    today, mine = _today_and_mine(run)
+    return today == mine
+
+
+def _today_and_mine(run: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Today's defaults for a run's mode and its own settings, both as they acted on it (``as_trained``). Where
+    min_steps set the run's length under both and their epochs decided nothing else (``epochs_acted_on_nothing``),
+    the run counts as trained at today's epochs."""
     shape = run_shape(run)
-    return "settings" in run and as_trained(run["settings"], *shape) == as_trained(
-        default_settings(run["mode"]), *shape
-    )
+    today, mine = as_trained(default_settings(run["mode"]), *shape), as_trained(run["settings"], *shape)
+    if mine.get("epochs") != today.get("epochs") and all(epochs_acted_on_nothing(s, shape[0]) for s in (mine, today)):
+        mine["epochs"] = today["epochs"]
+    return today, mine
 
 
 def setting_changes(run: dict) -> dict[str, Any]:
@@ -198,8 +224,7 @@ def setting_changes(run: dict) -> dict[str, Any]:
     none for a baseline's run or one recorded without settings."""
     if run["mode"] in BASELINES or "settings" not in run:
         return {}
-    shape = run_shape(run)
-    today, mine = as_trained(default_settings(run["mode"]), *shape), as_trained(run["settings"], *shape)
+    today, mine = _today_and_mine(run)
     return {k: v for k, v in mine.items() if today.get(k) != v}
 
 

@@ -211,3 +211,20 @@ def test_quick_figures_name_the_scores_minutes_and_machine():
         "minutes_full": 1.5,
         "device": "cpu",
     }
+
+
+def test_epochs_that_min_steps_overrode_do_not_set_a_small_data_run_apart():
+    """At 256 rows min_steps (600) sets every run's length, and with its last checkpoint kept and patience outlasting
+    every evaluation, epochs decided nothing: a lora draw recorded at BitFit's 10 epochs trained as one at LoRA's 5
+    does. Where epochs did act -- a whole set, the best checkpoint chosen among evaluations they spaced, or an early
+    stop they could trigger -- the run keeps its difference."""
+    lora = settings(TrainConfig(task="quality", lora_rank=8))
+    assert lora["epochs"] == 5.0 and lora["min_steps"] == 600
+    draw = {"set": "trec", "rows": 256, "mode": "lora", "seed": 3}
+    assert is_current(draw | {"settings": lora}) and is_current(draw | {"settings": lora | {"epochs": 10.0}})
+    best = draw | {"settings": lora | {"epochs": 10.0, "checkpoint": "best"}}
+    assert differences(best) == "epochs=10.0, checkpoint=best"
+    impatient = draw | {"settings": lora | {"epochs": 10.0, "patience": 6}}
+    assert differences(impatient) == "epochs=10.0, patience=6"
+    whole = {"set": "trec", "mode": "lora", "train_rows": 4952, "dev_rows": 500, "settings": lora | {"epochs": 10.0}}
+    assert not is_current(whole) and differences(whole) == "epochs=10.0"
