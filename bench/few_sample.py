@@ -378,7 +378,7 @@ def main() -> None:
                         rec["seconds"] = time.perf_counter() - t0
                         record_run(rec, device, args.note, runs_file, lambda runs: render(out, command, runs))
                         continue
-                    config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
+                    config = TrainConfig(task=ds, seed=seed, device=str(device), **(MODES[mode] | overrides))  # type: ignore[arg-type]
                     wanted = settings(config)
                     if already_run(
                         runs_file,

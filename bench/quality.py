@@ -692,7 +692,7 @@ def main() -> None:
                     record(rec)
                 continue
             for seed in args.seeds:
-                config = TrainConfig(task=ds, seed=seed, device=str(device), **MODES[mode], **overrides)  # type: ignore[arg-type]
+                config = TrainConfig(task=ds, seed=seed, device=str(device), **(MODES[mode] | overrides))  # type: ignore[arg-type]
                 shape = (len(splits.train), len(splits.dev), splits.train.kind)
                 if already_run(runs_file, settings(config), shape, device, set=ds, mode=mode, seed=seed):
                     continue
