@@ -177,11 +177,11 @@ def epochs_acted_on_nothing(s: dict[str, Any], train_rows: float) -> bool:
     epochs, min_steps, batch = s.get("epochs"), s.get("min_steps"), s.get("batch_size")
     if not (epochs and min_steps and batch and math.isfinite(train_rows)) or s.get("max_steps"):
         return False
-    per_epoch = math.ceil(train_rows / batch)
-    if s.get("checkpoint") != "last" or math.ceil(epochs * per_epoch) > min_steps:
+    planned = replace(RESOLVER, epochs=epochs, min_steps=min_steps, batch_size=batch, eval_every=s.get("eval_every"))
+    rows = int(train_rows)
+    if s.get("checkpoint") != "last" or planned.planned_steps(rows) != min_steps:
         return False
-    every = s.get("eval_every") or max(1, min(1000, max(per_epoch, int(min_steps / epochs)) // 4))  # as the trainer
-    return s.get("patience") is not None and s["patience"] >= math.ceil(min_steps / every)
+    return s.get("patience") is not None and s["patience"] >= math.ceil(min_steps / planned.eval_every_for(rows))
 
 
 RESOLVER = TrainConfig(task="quality")  # resolves an unset restarts / checkpoint exactly as the trainer does

@@ -308,6 +308,17 @@ class TrainConfig:
         total = max(self.min_steps, math.ceil(epochs * steps_per_epoch))
         return min(total, self.max_steps) if self.max_steps else total
 
+    def eval_every_for(self, train_rows: int) -> int:
+        """Updates between dev evaluations on ``train_rows`` rows: ``eval_every``, or when unset 4 per epoch of the
+        planned run. Where min_steps stretches a small data set's run, the epoch (and the evaluations) stretch with
+        it, so patience always spans the same share of the run and cannot end it during the warm-up."""
+        if self.eval_every:
+            return self.eval_every
+        epochs = self.resolved().epochs
+        assert epochs is not None
+        epoch_steps = max(math.ceil(train_rows / self.batch_size), int(self.planned_steps(train_rows) / epochs))
+        return max(1, min(1000, epoch_steps // 4))
+
     @classmethod
     def from_dict(cls, raw: Any) -> TrainConfig:
         """A config from JSON (a job, the API); see ``from_json``. A retired option (``RETIRED_OPTIONS``) at its

@@ -100,11 +100,7 @@ class RunGroup:
         ]
         schedule = linear_schedule(total, int(config.warmup_ratio * total))
         self.optimizer = model.optimizer([lr for lr, _ in specs], head_lrs, config, schedule)
-        # 4 dev evaluations per epoch of the planned run: where min_steps stretches a small data set's run, the
-        # epoch (and the evaluations) stretch with it, so patience always spans the same share of the run and
-        # cannot end it during the warm-up.
-        epoch_steps = max(math.ceil(len(ctx.train) / config.batch_size), int(total / config.epochs))
-        self.eval_every = config.eval_every or max(1, min(1000, epoch_steps // 4))
+        self.eval_every = config.eval_every_for(len(ctx.train))
         one = f"seed={specs[0][1]} lr={specs[0][0]:g}"
         self.bar = progress_bar(total, f"{ctx.task} {len(specs)} runs" if len(specs) > 1 else f"{ctx.task} {one}")
         self.model.train()
