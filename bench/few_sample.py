@@ -45,6 +45,7 @@ from bench.quality import (
     add_run_arguments,
     already_run,
     best_restart,
+    dev_curve,
     device_of,
     differences,
     is_current,
@@ -410,6 +411,7 @@ def main() -> None:
                         "steps": report["steps"],
                         "planned_steps": report["planned_steps"],
                         "best_step": report["best_step"],
+                        "curve": dev_curve(report),
                         "settings": wanted,
                         "seconds": time.perf_counter() - t0,
                     }

@@ -726,12 +726,20 @@ def run_record(
         "dev_rows": len(splits.dev),
         "steps": result.report["steps"],
         "best_step": result.report["best_step"],
+        "curve": dev_curve(result.report),
         "lr": result.report["lr"],
         "precision": result.report["precision"],  # the arithmetic it trained in (bfloat16: flash attention, CUDA)
         "settings": settings(config),
         "seconds": seconds,
         "trainable_params": result.report["trainable_params"],
     } | restart_scores(result.report, metric)
+
+
+def dev_curve(report: dict[str, Any]) -> list[list[float]]:
+    """The kept run's dev score at each evaluation, as [step, score] pairs: what a patience or a shorter budget would
+    have kept can be read off the records without training again."""
+    key = f"dev_{report['metric']}"
+    return [[h["step"], round(h[key], 4)] for h in report["history"] if key in h]
 
 
 def restart_scores(report: dict[str, Any], metric: str) -> dict[str, Any]:

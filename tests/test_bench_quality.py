@@ -138,9 +138,14 @@ def test_a_job_that_averages_its_restarts_is_recorded_and_shown_against_its_own_
     assert rec["merged"][0]["dev"] == rec["dev"] and rec["merged"][0]["test"] == rec["test"]  # the patch kept
     assert rec["merged"][0]["heldout"] == result.report["heldout"][result.report["metric"]]
     # one run: nothing to compare
-    one = TrainConfig(task="t", seed=3, device="cpu", epochs=2, min_steps=8, restarts=1)
+    one = TrainConfig(task="t", seed=3, device="cpu", epochs=2, min_steps=8, restarts=1, checkpoint="best")
     alone = train_patch(tiny_encoder, splits.train, splits.dev, one, test=splits.test)
-    assert "restarts" not in run_record("rotten_tomatoes", "bitfit", 3, one, alone, splits, 60.0)
+    single = run_record("rotten_tomatoes", "bitfit", 3, one, alone, splits, 60.0)
+    assert "restarts" not in single
+    # the kept run's dev curve: one [step, score] a evaluation, ending at the run's last step, its best among them
+    steps = [step for step, _ in single["curve"]]
+    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == single["steps"]
+    assert max(score for _, score in single["curve"]) == round(single["dev"], 4)
 
     # the table pairs each job's average with its own restarts: the best by dev (a tie: the first) and the first
     def job(seed: int, dev: float, test: float, restarts: list[tuple[float, float]]) -> dict:
