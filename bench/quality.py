@@ -229,7 +229,7 @@ def setting_changes(run: dict) -> dict[str, Any]:
 
 
 #: opt-in settings whose runs are compared seed by seed (draw by draw) with the runs without them (``paired_lines``)
-PAIRED_CANDIDATES = ("scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=")
+PAIRED_CANDIDATES = ("scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=", "epochs=", "lora_alpha=")
 TODAY = "today's defaults"
 
 
