@@ -40,10 +40,11 @@ import torch
 
 from bench.baselines import BASELINES, logreg
 from bench.common import pyplot
+from patchserve.patches import packed_model
 from patchserve.patches.data import DataFile, Dataset, Splits, load_splits
 from patchserve.patches.encoder import Encoder, load_encoder, resolve_device
 from patchserve.patches.packed import packed_unsupported
-from patchserve.patches.packed_model import training_bert
+from patchserve.patches.packed_model import training_bert, training_dtype
 from patchserve.patches.train_config import RETIRED_OPTIONS, SELECTION_METRICS, TrainConfig
 from patchserve.trainer.joint import JointTrainer
 from patchserve.trainer.progress import progress_logger
@@ -229,7 +230,17 @@ def setting_changes(run: dict) -> dict[str, Any]:
 
 
 #: opt-in settings whose runs are compared seed by seed (draw by draw) with the runs without them (``paired_lines``)
-PAIRED_CANDIDATES = ("scales=", "lr=", "min_steps=", "restarts=", "head_init=", "head_lr=", "epochs=", "lora_alpha=")
+PAIRED_CANDIDATES = (
+    "scales=",
+    "lr=",
+    "min_steps=",
+    "restarts=",
+    "head_init=",
+    "head_lr=",
+    "epochs=",
+    "lora_alpha=",
+    "precision=",
+)
 TODAY = "today's defaults"
 
 
@@ -329,10 +340,25 @@ def already_run(
 ) -> bool:
     """Whether ``runs_file`` holds a run trained as ``wanted`` trains with ``shape`` (training rows, dev rows, task
     kind: ``run_shape``), on this kind of device, with these fields (set, seed..)."""
-    goal = as_trained(wanted, *shape)
+    goal, goal_arithmetic = as_trained(wanted, *shape), trained_arithmetic(wanted, device)
     return any(
-        "settings" in r and as_trained(r["settings"], *shape) == goal for r in recorded(runs_file, device, **key)
+        "settings" in r and as_trained(r["settings"], *shape) == goal and arithmetic(r) == goal_arithmetic
+        for r in recorded(runs_file, device, **key)
     )
+
+
+def arithmetic(run: dict) -> str:
+    """The arithmetic a recorded run trained in (its report's ``precision``): "float32" for runs recorded before
+    the field."""
+    return str(run.get("precision") or "float32")
+
+
+def trained_arithmetic(run_settings: dict[str, Any], device: torch.device) -> str:
+    """The arithmetic a run of the default encoder with these settings trains in on ``device`` (what its report's
+    ``precision`` will say): the packed model's half type where ``training_dtype`` gives one, else float32 (full
+    fine-tuning trains the plain model in float32 everywhere)."""
+    half = not run_settings.get("full") and training_dtype(device, run_settings.get("precision") or "auto")
+    return "bfloat16" if half else "float32"
 
 
 def recorded(runs_file: Path, device: torch.device, **key: Any) -> list[dict]:
@@ -351,6 +377,10 @@ def record_run(
     rec["device"] = device.type
     if device.type == "cuda":
         rec["device_name"] = torch.cuda.get_device_name(device)
+    elif (
+        device.type == "cpu" and packed_model.cpu_has_bfloat16()
+    ):  # a machine apart: the packed model's products in bfloat16
+        rec["device_name"] = CPU_BFLOAT16
     if note:
         rec["note"] = note
     with runs_file.open("a") as f:
@@ -375,9 +405,15 @@ def device_type(run: dict) -> str:
     return str(run["device"]).split(":")[0]
 
 
+#: the machine name of a CPU run recorded on a CPU that multiplies bfloat16 in hardware, where the trainer's default
+#: takes the packed model's products in bfloat16 (CPU runs recorded before 2026-12-01 took them in float32 everywhere)
+CPU_BFLOAT16 = "bfloat16 products"
+
+
 def device_of(run: dict) -> str:
     """The machine a run was measured on: device type plus the accelerator's name when recorded ("cuda: NVIDIA
-    H100 80GB HBM3"); runs on different machines are never averaged together."""
+    H100 80GB HBM3"), or for a CPU with bfloat16 products ``CPU_BFLOAT16``; runs on different machines are never
+    averaged together."""
     kind = device_type(run)
     return f"{kind}: {run['device_name']}" if run.get("device_name") else kind
 
@@ -440,7 +476,10 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
         "Default encoder (all-MiniLM-L6-v2), default `patchserve train` settings; test score of the selection "
         "metric (accuracy; Spearman x100 for STS-B; token accuracy for brown_pos, whose part-of-speech tags are "
         "not BIO-style) as mean ± std over seeds; minutes per run (wall clock) on the machine named. "
-        "One table per machine: runs on different machines are not averaged together.",
+        "One table per machine: runs on different machines are not averaged together. "
+        f"`cpu: {CPU_BFLOAT16}` is a CPU with bfloat16 instructions (AVX512-BF16 or AMX) since 2026-12-01, where "
+        "the packed model's default takes the frozen weights' products in bfloat16 (full fine-tuning stays "
+        "float32); `cpu` runs took them in float32 (every CPU run before that day, and any on a CPU without them).",
         "",
         f"Reproduce all of it with `python bench/quality.py` ({len(SETS)} sets x {len(MODES)} modes x 3 seeds; "
         "resumable: every finished run is appended to `docs/quality-runs.jsonl` and skipped next time on the same "

@@ -13,15 +13,17 @@ during the updates minus before them on the CPU; peak allocated bytes on CUDA). 
 (packed) / full and ``speedup_packed`` padded / packed. ``packed-ia3`` is the packed model training a ``bitfit-ia3``
 patch (biases plus (IA)^3 scales, ``--scales ia3``): ``ia3_vs_packed`` is its update's time over BitFit's.
 ``ops_update_MODE`` counts one update's ATen ops on the CPU, its host-side launches (kernels, graph launches, copies)
-on CUDA, where an update of a small model is bound by launching them. On CUDA the packed model trains in bfloat16
-with flash attention (the trainer's default there); ``packed-float32`` is the same update in float32 with the exact
-attention (``--precision float32``), and ``flash_speedup`` its time over the default's.
+on CUDA, where an update of a small model is bound by launching them. Where the packed model's default is bfloat16
+(a CUDA GPU: autocast with flash attention; a CPU with bfloat16 instructions: the frozen weights' products),
+``packed-float32`` is the same update in float32 throughout (``--precision float32``), and ``half_speedup`` its time
+over the default's (``flash_speedup`` on CUDA, as rows before 2026-12-01 call it).
 
 Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
 of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
 ``ratio_run`` is BitFit / full: at most 1 means a patch costs no more than a full fine-tune. ``restarts3`` (with
 ``--run-modes``) is the BitFit run with 3 restarts trained together in one batch, the best kept: ``restarts_ratio``
-is its time over the one run's.
+is its time over the one run's. ``float32`` (with ``--run-modes``) is the BitFit run in float32 throughout
+(``--precision float32``) where the default is not: ``run_half_speedup`` is its time over the default run's.
 
 Jobs. ``--concurrent-jobs K`` default BitFit jobs (each on its own ``--job-rows`` slice of the training set, its own
 seed, at most ``--job-max-steps`` updates), trained one at a time and then together in one batch, as
@@ -52,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from bench.common import count_ops, machine
 from patchserve.patches.data import load_dataset
 from patchserve.patches.encoder import load_encoder, resolve_device
+from patchserve.patches.packed_model import training_dtype
 from patchserve.patches.train_config import TrainConfig
 from patchserve.trainer.features import collate, featurize
 from patchserve.trainer.models import PackedRuns, PaddedRun, RunModel
@@ -59,8 +62,8 @@ from patchserve.trainer.runs import loss_fn
 from patchserve.trainer.train import train_patch
 
 OUT = ROOT / "docs" / "benchmarks"
-MODES = ("packed", "padded", "full", "packed-ia3", "packed-float32")  # packed-float32: on CUDA only
-RUN_MODES = ("run-bitfit", "run-padded", "run-full", "run-restarts3")
+MODES = ("packed", "padded", "full", "packed-ia3", "packed-float32")  # packed-float32: where packed is not float32
+RUN_MODES = ("run-bitfit", "run-padded", "run-full", "run-restarts3", "run-float32")
 JOB_MODES = ("jobs-1", "jobs-k")
 DATA = ROOT.parent / "shared" / "data" / "rotten_tomatoes"
 
@@ -158,8 +161,10 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     train = replace(train_all, examples=train_all.examples[: args.run_rows or None])
     dev = replace(dev_all, examples=dev_all.examples[: args.dev_rows or None])
     mode = args.child.removeprefix("run-")
-    restarts = {"restarts": 3, "restarts_merge": "best"} if mode == "restarts3" else {}
-    config = TrainConfig(task="cost", full=mode == "full", device=args.device, max_steps=args.run_max_steps, **restarts)
+    extra: dict[str, Any] = {"restarts": 3, "restarts_merge": "best"} if mode == "restarts3" else {}
+    if mode == "float32":
+        extra["precision"] = "float32"
+    config = TrainConfig(task="cost", full=mode == "full", device=args.device, max_steps=args.run_max_steps, **extra)
     t0 = time.perf_counter()
     result = train_patch(encoder, train, dev, config, packed=False if mode == "padded" else None)
     seconds = time.perf_counter() - t0
@@ -249,7 +254,8 @@ def main() -> None:
     ap.add_argument(
         "--run-modes",
         default="bitfit,padded,full",
-        help="which default runs (comma-separated: bitfit, padded, full, restarts3: BitFit, 3 restarts in a batch)",
+        help="which default runs (comma-separated: bitfit, padded, full, restarts3: BitFit, 3 restarts in a batch; "
+        "float32: BitFit in float32 throughout)",
     )
     ap.add_argument("--run-max-steps", type=int, help="cap each default run's updates (default: no cap)")
     ap.add_argument("--no-jobs", action="store_true", help="skip the concurrent jobs' figures")
@@ -275,7 +281,8 @@ def main() -> None:
         args.repeats, args.steps = 1, 10
     args.concurrent_jobs = args.concurrent_jobs or (4 if args.quick else 8)
     args.job_max_steps = args.job_max_steps or (20 if args.quick else 60)
-    modes = MODES if args.device.startswith("cuda") else tuple(m for m in MODES if m != "packed-float32")
+    half = training_dtype(resolve_device(args.device)) is not None  # the packed default is not float32 here
+    modes = MODES if half else tuple(m for m in MODES if m != "packed-float32")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(args.repeats):
         for mode in modes if r % 2 == 0 else modes[::-1]:
@@ -317,9 +324,10 @@ def main() -> None:
         "memory_mb_full": round(med["full"]["memory_bytes"] / 2**20, 1),
         "memory_ratio": round(med["packed"]["memory_bytes"] / max(med["full"]["memory_bytes"], 1), 3),
     }
-    if "packed-float32" in med:  # CUDA: the packed update in float32 with the exact attention, against bfloat16 flash
+    if "packed-float32" in med:  # the packed update in float32 throughout, against the default's bfloat16
         result["ms_update_packed_float32"] = round(med["packed-float32"]["s_per_update"] * 1e3, 1)
-        result["flash_speedup"] = round(med["packed-float32"]["s_per_update"] / med["packed"]["s_per_update"], 2)
+        speedup = round(med["packed-float32"]["s_per_update"] / med["packed"]["s_per_update"], 2)
+        result["flash_speedup" if args.device.startswith("cuda") else "half_speedup"] = speedup
     if args.note:
         result["note"] = args.note
     if trained:
@@ -337,6 +345,8 @@ def main() -> None:
             result["run_speedup_packed"] = round(trained["padded"]["seconds"] / trained["bitfit"]["seconds"], 2)
         if "bitfit" in trained and "restarts3" in trained:
             result["restarts_ratio"] = round(trained["restarts3"]["seconds"] / trained["bitfit"]["seconds"], 2)
+        if "bitfit" in trained and "float32" in trained:
+            result["run_half_speedup"] = round(trained["float32"]["seconds"] / trained["bitfit"]["seconds"], 2)
     if not args.no_jobs:
         per_hour = {m: statistics.median(r["jobs_per_hour"] for r in jobs[m]) for m in JOB_MODES}
         result |= {
@@ -406,8 +416,9 @@ def render(jsonl: Path) -> None:
         "before issue 25 have only this one). Memory: what the updates add on top of the loaded model (peak RSS on",
         "the CPU, peak allocated on CUDA). Goals (issue 25, 2 CPU cores): packed >= 1.8x padded per update, and a",
         "default BitFit run no longer than a default full fine-tuning run (`ratio_run` <= 1). On CUDA, rows from",
-        "2026-11-27 on train the packed model in bfloat16 with flash attention (issue 60); `ms packed float32` is",
-        "the same update in float32 with the exact attention (`--precision float32`), as every earlier row ran it.",
+        "2026-11-27 on train the packed model in bfloat16 with flash attention (issue 60), and on a CPU with",
+        "bfloat16 instructions rows from 2026-12-01 on take the frozen weights' products in bfloat16; `ms packed",
+        "float32` is the same update in float32 throughout (`--precision float32`), as every earlier row ran it.",
         "",
         "## Updates",
         "",
@@ -434,16 +445,16 @@ def render(jsonl: Path) -> None:
             "A default `train_patch` of each mode on the first rows of the training set (`--run-rows`, `--dev-rows`):",
             "wall time in seconds, updates made, dev accuracy.",
             "",
-            "| device | train / dev rows | BitFit packed | BitFit padded | full | BitFit / full | packed speed-up "
-            "| 3 restarts in a batch / 1 run |",
-            "|---|---|---|---|---|---:|---:|---:|",
+            "| device | train / dev rows | BitFit packed | BitFit packed, float32 | BitFit padded | full "
+            "| BitFit / full | packed speed-up | 3 restarts in a batch / 1 run |",
+            "|---|---|---|---|---|---|---:|---:|---:|",
         ]
         for r in with_runs:
             cells = [
                 f"{r[f'run_s_{m}']} s, {r[f'run_steps_{m}']} steps, {100 * r[f'run_dev_accuracy_{m}']:.1f}"
                 if f"run_s_{m}" in r
                 else "-"
-                for m in ("bitfit", "padded", "full")
+                for m in ("bitfit", "float32", "padded", "full")
             ]
             speedup = f"{r['run_speedup_packed']:.2f}x" if "run_speedup_packed" in r else "-"
             restarts = f"{r['restarts_ratio']:.2f}x" if "restarts_ratio" in r else "-"

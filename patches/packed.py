@@ -91,6 +91,9 @@ class _Layer:
     names: dict[str, str]  # role -> bias parameter name
 
 
+ProductWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # a layer's qkv, o, i, f weights
+
+
 @dataclass
 class PackedBatch:
     """Device tensors of one packed batch. N tokens (maybe padded to a bucket), R rows (maybe padded).
@@ -218,6 +221,7 @@ class PackedBert:
         self.scales = False  # whether the banks hold per-slot (IA)^3 scales (once a patch with them is loaded)
         self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
         self.lora: LoraBank | None = None  # the resident tasks' LoRA factors, once a LoRA patch has been loaded
+        self._product_weights: dict[torch.dtype, list[ProductWeights]] = {}  # product_weights' copies, by type
         base = self.bank_values([{}])  # every slot starts as the base encoder
         self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}
 
@@ -344,6 +348,7 @@ class PackedBert:
         attention_dropout: float = 0.0,
         gather_by_layer: bool = False,
         lora: LoraFactors | None = None,
+        matmul_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Final token states ``[N, H]``, float32 (the last LayerNorm, its beta, pooling and heads run in float32,
         so half precision rounds them once less than the plain model does); padding tokens hold anything.
@@ -352,12 +357,23 @@ class PackedBert:
         added to every token by broadcasting, without a gather. The dropouts are BERT's (after the embeddings, on
         the attention probabilities, after the attention-output and output projections): a trainer's, 0 to serve.
         ``gather_by_layer``: ``token_biases``' (a trainer's few banks). ``lora``: LoRA factors with ``banks`` (the
-        resident ones without)."""
+        resident ones without). ``matmul_dtype``: the four products of the frozen weights in every layer take their
+        input in this type, against copies of the weights in it (``product_weights``), and their output is added to
+        the biases in the stream's type; everything else (the biases, LoRA's products, attention, LayerNorms,
+        activations) stays in the stream's type (a trainer on a CPU with native bfloat16 products)."""
         h = self.hidden
         if banks is None:
             banks, lora = self.banks, self.lora.factors if self.lora is not None else None
         bias = token_biases(banks, b.tok_slot, gather_by_layer)
         low = LowRank(lora, b)
+        weights = self.product_weights(matmul_dtype) if matmul_dtype is not None else None
+
+        def product(x: torch.Tensor, w: torch.Tensor, site: str) -> torch.Tensor:
+            """``x @ w.T`` plus the biases of ``site``."""
+            if weights is None:
+                return torch.addmm(bias(site), x, w.t())
+            # one op adds the low-precision product to the biases and returns the stream's type (type promotion)
+            return torch.add(bias(site), F.linear(x.to(w.dtype), w))
 
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)
@@ -372,22 +388,32 @@ class PackedBert:
             x = x + F.embedding(b.types, self.token_type)
         x = drop(norm(x, self.emb_g, "emb_ln", self.emb_eps))
         for i, layer in enumerate(self.layers):
-            qkv = low.add(f"{i}.qkv", x, torch.addmm(bias(f"{i}.qkv"), x, layer.wqkv.t()))
+            wqkv, wo, wi, wf = (layer.wqkv, layer.wo, layer.wi, layer.wf) if weights is None else weights[i]
+            qkv = low.add(f"{i}.qkv", x, product(x, wqkv, f"{i}.qkv"))
             if f"{i}.s" in banks:  # (IA)^3: keys and values scaled per row (in qkv's type: autocast's bfloat16)
                 qkv = qkv * bias(f"{i}.s").to(qkv.dtype)
             ctx = self._attend(qkv, b, attention, attention_dropout)
-            y = drop(low.add(f"{i}.o", ctx, torch.addmm(bias(f"{i}.o"), ctx, layer.wo.t())))
+            y = drop(low.add(f"{i}.o", ctx, product(ctx, wo, f"{i}.o")))
             x = norm(y + x, layer.g1, f"{i}.ln1", layer.eps1)
-            y = self.act(low.add(f"{i}.i", x, torch.addmm(bias(f"{i}.i"), x, layer.wi.t())))
+            y = self.act(low.add(f"{i}.i", x, product(x, wi, f"{i}.i")))
             if f"{i}.si" in banks:  # (IA)^3: the intermediate scaled per row
                 y = y * bias(f"{i}.si").to(y.dtype)
-            y = drop(low.add(f"{i}.f", y, torch.addmm(bias(f"{i}.f"), y, layer.wf.t())))
+            y = drop(low.add(f"{i}.f", y, product(y, wf, f"{i}.f")))
             if i == len(self.layers) - 1:  # the output: normalised, its beta added, pooled and headed in float32
                 y, x = y.float(), x.float()
             x = norm(y + x, layer.g2, f"{i}.ln2", layer.eps2)
         if "out" in banks:
             x = x + bias("out")
         return x
+
+    def product_weights(self, dtype: torch.dtype) -> list[ProductWeights]:
+        """Every layer's four product weights (qkv, attention output, intermediate, output) in ``dtype``: copied once
+        and kept, since they are frozen (a trainer's bfloat16 products on the CPU: 2 bytes a weight more)."""
+        if dtype not in self._product_weights:
+            self._product_weights[dtype] = [
+                (la.wqkv.to(dtype), la.wo.to(dtype), la.wi.to(dtype), la.wf.to(dtype)) for la in self.layers
+            ]
+        return self._product_weights[dtype]
 
     def _attend(self, qkv: torch.Tensor, b: PackedBatch, attention: str, dropout_p: float = 0.0) -> torch.Tensor:
         n, nh, d = qkv.shape[0], self.n_heads, self.head_dim

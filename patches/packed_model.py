@@ -13,8 +13,11 @@ turns a run back into a plain TaskModel for patch extraction and evaluation.
 On a CUDA device that runs flash attention in bfloat16 (compute capability 8.0 on), a model built with
 ``half_dtype=torch.bfloat16`` (``training_dtype``: the trainer's default there) encodes under bfloat16 autocast with
 variable-length flash attention over the packed rows and its backward, as the serving engine attends; the frozen
-weights, the trained values, the optimizer's state, pooling and the heads stay float32. Everywhere else (and with
-``precision="float32"``) attention takes the exact float32 path, which the gradient tests check.
+weights, the trained values, the optimizer's state, pooling and the heads stay float32. On a CPU that multiplies
+bfloat16 in hardware (the default there too) only the frozen weights' products run in bfloat16, against copies of
+the weights made once, since elementwise bfloat16 ops are slower than float32 ones on a CPU: everything else stays
+float32, attention on the exact path. Elsewhere (and with ``precision="float32"``) the model is float32 throughout,
+with the exact attention, which the gradient tests check.
 
 Several models built over one ``training_bert`` (several jobs on one base, as ``patchserve worker --concurrent-jobs``
 trains them) put their rows through one packed encode: ``joint_forward`` stacks their bias banks, and each model's
@@ -44,15 +47,29 @@ from patchserve.patches.packed_lora import LoraFactors, module_factors
 PRECISIONS = ("auto", "float32")  # patches.train_config.TrainConfig.precision
 
 
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX), where a bfloat16 product
+    takes under half a float32 one's time (2 to 2.7x less on the 2-core AMD EPYC machines this project runs on); on
+    other CPUs torch emulates it, slower than float32."""
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(probe is not None and bool(probe()) for probe in probes)
+
+
 def training_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
-    """The half-precision type a packed model trains in on ``device`` with flash attention (None: float32 with the
-    exact attention): bfloat16 on a CUDA device of compute capability 8.0 or later (flash attention's bfloat16
-    kernels) with ``precision="auto"``; float32 on the CPU, on older GPUs and with ``precision="float32"``."""
+    """The half-precision type a packed model trains in on ``device`` (None: float32 throughout) with
+    ``precision="auto"``: bfloat16 on a CUDA device of compute capability 8.0 or later (autocast, with flash
+    attention's bfloat16 kernels) and on a CPU that multiplies bfloat16 in hardware (``cpu_has_bfloat16``: the frozen
+    weights' products only); float32 on other CPUs and GPUs and with ``precision="float32"``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    if precision == "float32" or device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+    if precision == "float32":
         return None
-    return torch.bfloat16
+    if device.type == "cuda":
+        usable = torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+        return torch.bfloat16 if usable else None
+    if device.type == "cpu" and cpu_has_bfloat16():
+        return torch.bfloat16
+    return None
 
 
 def training_bert(encoder: nn.Module) -> PackedBert:
@@ -71,8 +88,9 @@ class PackedTaskModel(nn.Module):
     modules (a ``lora`` patch), each run's starting at ``lora_start[run]`` (B holds them unscaled: the forward and
     ``values`` scale it by the spec's alpha / rank). ``run`` gives each row's run
     (``[B]``; None: all rows are run 0). ``packed``: a ``training_bert(encoder)`` to share with other models
-    (default: one of its own). ``half_dtype``: encode under autocast to this type with flash attention (CUDA only:
-    ``training_dtype``), else in float32 with the exact attention."""
+    (default: one of its own). ``half_dtype`` (``training_dtype``'s): on CUDA, encode under autocast to this type with
+    flash attention; on the CPU, the frozen weights' products in this type, everything else in float32 with the
+    exact attention; None: float32 throughout, with the exact attention."""
 
     def __init__(
         self,
@@ -98,8 +116,8 @@ class PackedTaskModel(nn.Module):
         unknown = sorted(set(trained) - set(base.base))
         if unknown:
             raise ValueError(f"the encoder has no biases or (IA)^3 sites {unknown[:5]}")
-        if half_dtype is not None and base.device.type != "cuda":
-            raise ValueError(f"half-precision training (flash attention) needs a CUDA device, not {base.device}")
+        if half_dtype is not None and base.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"half-precision training needs a CUDA device or a CPU, not {base.device}")
         self._frozen = (encoder, base)  # a tuple, not submodules: their weights are not this module's parameters
         self.half_dtype = half_dtype
         self.kind, self.pooling = kind, pooling
@@ -309,14 +327,16 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
                 a={k: torch.cat([f.a[k] for f in all_lora if f is not None]) for k in lora.a},
                 b={k: torch.cat([f.b[k] for f in all_lora if f is not None]) for k in lora.b},
             )
-    if first.half_dtype is None:
+    # on CUDA the encoder runs under autocast with flash attention (pooling and the heads below stay float32, as
+    # encode's output is); on the CPU only the frozen weights' products take the half type, attention stays exact
+    flash = first.half_dtype is not None and joint.ids.is_cuda
+    if not flash:
         add_exact_attention(joint, lengths)
-    # the encoder under autocast (pooling and the heads below stay float32, as encode's output is)
-    half = torch.autocast("cuda", dtype=first.half_dtype) if first.half_dtype is not None else contextlib.nullcontext()
+    half = torch.autocast("cuda", dtype=first.half_dtype) if flash else contextlib.nullcontext()
     with half:
         x = packed_bert.encode(
             joint,
-            "exact" if first.half_dtype is None else "flash",
+            "flash" if flash else "exact",
             banks=banks,
             hidden_dropout=first.hidden_dropout if first.training else 0.0,
             attention_dropout=first.attention_dropout if first.training else 0.0,
@@ -324,6 +344,7 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
             # nothing, the layer's concatenated gradient was an extra copy (3 runs: 1.07x the time, 2 CPU cores)
             gather_by_layer=joint.ids.is_cuda,
             lora=lora,
+            matmul_dtype=None if flash else first.half_dtype,
         )
     out, start = [], 0
     for (model, ids, *_), (b, row_lengths), model_banks in zip(parts, packs, all_banks, strict=True):

@@ -11,6 +11,7 @@ import torch
 from bench.baselines import BASELINES
 from bench.few_sample import QUICK_MIN_STEPS, quick_figures, render, sample, write_plot, write_table
 from bench.quality import already_run, changes, default_settings, differences, is_current, record_run
+from patchserve.patches import packed_model
 from patchserve.patches.data import load_dataset
 from tests.helpers import synthetic_rows, write_jsonl
 
@@ -111,7 +112,9 @@ def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
     assert not is_current({"set": "trec", "mode": "full", "rows": 256, "settings": full | {"head_init": "labels"}})
 
 
-def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys):
+def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys, monkeypatch):
+    # a CPU without bfloat16 products (one with them: tests/test_bench_quality.py), so float32 is the default here
+    monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda: False)
     runs_file, today, cpu = tmp_path / "runs.jsonl", default_settings("bitfit"), torch.device("cpu")
     seen: list[list[dict]] = []
     small = (230, 26, "classification")  # 256 rows: training and carved dev

@@ -7,9 +7,12 @@ from __future__ import annotations
 import torch
 
 from bench.quality import (
+    CPU_BFLOAT16,
     MODES,
     QUICK_UPDATES,
     _minutes,
+    already_run,
+    device_of,
     differences,
     is_current,
     quick_figures,
@@ -20,6 +23,7 @@ from bench.quality import (
     write_plot,
     write_table,
 )
+from patchserve.patches import packed_model
 from patchserve.patches.data import DataFile, load_splits
 from patchserve.patches.train_config import TrainConfig
 from patchserve.trainer.train import train_patch
@@ -233,3 +237,26 @@ def test_epochs_that_min_steps_overrode_do_not_set_a_small_data_run_apart():
     assert differences(impatient) == "epochs=10.0, patience=6"
     whole = {"set": "trec", "mode": "lora", "train_rows": 4952, "dev_rows": 500, "settings": lora | {"epochs": 10.0}}
     assert not is_current(whole) and differences(whole) == "epochs=10.0"
+
+
+def test_a_run_counts_as_already_run_only_in_the_arithmetic_it_would_train_in_here(tmp_path, monkeypatch):
+    """A CPU that multiplies bfloat16 trains the packed model's products in bfloat16 by default: a float32 run
+    recorded at the same settings (before 2026-12-01, or on a CPU without them) does not stand in for it, and the
+    bfloat16 machine's runs are a table of their own."""
+    today = settings(TrainConfig(task="quality"))
+    full = settings(TrainConfig(task="quality", full=True))
+    key = {"set": "trec", "mode": "bitfit", "seed": 0, "train_rows": 4952, "dev_rows": 500, "device": "cpu"}
+    old = key | {"settings": today}  # recorded before the field: float32
+    path = tmp_path / "quality-runs.jsonl"
+    write_jsonl(path, [old, key | {"mode": "full", "settings": full, "precision": "float32"}])
+    shape = (4952, 500, "classification")
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda native=native: native)
+        assert already_run(path, today, shape, cpu, set="trec", mode="bitfit", seed=0) is not native
+        assert already_run(path, full, shape, cpu, set="trec", mode="full", seed=0)  # full is float32 everywhere
+    new = key | {"settings": today, "precision": "bfloat16", "device_name": CPU_BFLOAT16}
+    write_jsonl(path, [old, new])
+    monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda: True)
+    assert already_run(path, today, shape, cpu, set="trec", mode="bitfit", seed=0)
+    assert (device_of(old), device_of(new)) == ("cpu", "cpu: bfloat16 products")

@@ -119,7 +119,9 @@ def test_render_reads_rows_before_and_after_packed_training(tmp_path):
     assert "| cpu (2 threads) | 4 | 1 / 2 | - | - | 1.0 | 2.0 | - | 0.50x |" in md
     assert "| cpu (2 threads) | 32 | 1 / 2 | 400.0 | - | 720.0 | 1000.0 | 1.80x | 0.40x | 1.0 | 2.0 | 3.0 |" in md
     assert "| NVIDIA H100 80GB HBM3 (--quick, alone on the GPU) | 32 | 1 / 2 | 400.0 |" in md
-    runs = "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | 150.0 s, 630 steps, 80.0 | 120.0 s, 600 steps, 79.0 | 0.83x |"
+    runs = (
+        "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | - | 150.0 s, 630 steps, 80.0 | 120.0 s, 600 steps, 79.0 | 0.83x |"
+    )
     assert runs in md
     # a GPU row with the float32 update beside the default's, and default runs without the padded one
     gpu = quick | {"ms_update_packed_float32": 410.0, "note": "on a GPU"}
@@ -129,4 +131,10 @@ def test_render_reads_rows_before_and_after_packed_training(tmp_path):
     render(out)
     md = (tmp_path / "train_cost.md").read_text()
     assert "| NVIDIA H100 80GB HBM3 (on a GPU) | 32 | 1 / 2 | 400.0 | 410.0 | 720.0 | 1000.0 |" in md
-    assert "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | - | 120.0 s, 600 steps, 79.0 | 0.83x | - |" in md
+    assert "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | - | - | 120.0 s, 600 steps, 79.0 | 0.83x | - |" in md
+    # a CPU with bfloat16 products: the packed run in float32 beside the default's
+    cpu = new | {"ms_update_packed_float32": 410.0, "run_s_float32": 130.0, "run_steps_float32": 630}
+    out.write_text(json.dumps(cpu | {"run_dev_accuracy_float32": 0.81, "run_half_speedup": 1.3}) + "\n")
+    render(out)
+    md = (tmp_path / "train_cost.md").read_text()
+    assert "| 1,000 / 300 | 100.0 s, 630 steps, 80.0 | 130.0 s, 630 steps, 81.0 | 150.0 s, 630 steps, 80.0 |" in md

@@ -9,10 +9,17 @@ import pytest
 import torch
 from torch import nn
 
+from patchserve.patches import packed_model
 from patchserve.patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, scale_names, target_names
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed_layout import add_exact_attention
-from patchserve.patches.packed_model import PackedTaskModel, joint_forward, training_bert, training_dtype
+from patchserve.patches.packed_model import (
+    PackedTaskModel,
+    cpu_has_bfloat16,
+    joint_forward,
+    training_bert,
+    training_dtype,
+)
 from patchserve.patches.packed_ops import dropout, keep_mask
 from patchserve.trainer.features import Features, collate, featurize
 from patchserve.trainer.models import set_dropout
@@ -248,44 +255,63 @@ def test_gathering_a_layers_banks_together_equals_one_gather_each(tiny_encoder, 
     assert grads[0] is not None and grads[0].abs().sum() > 0
 
 
-def test_training_precision_is_float32_off_a_gpu():
-    assert training_dtype(torch.device("cpu")) is None
-    assert training_dtype(torch.device("cpu"), "float32") is None
+def test_training_precision_on_the_cpu_is_bfloat16_where_it_multiplies_bfloat16(monkeypatch):
+    for native in (True, False):
+        monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda native=native: native)
+        assert training_dtype(torch.device("cpu")) == (torch.bfloat16 if native else None)
+        assert training_dtype(torch.device("cpu"), "float32") is None
     with pytest.raises(ValueError, match="precision"):
         training_dtype(torch.device("cpu"), "float16")
+
+
+def test_bfloat16_products_use_copies_of_the_frozen_weights_made_once(tiny_encoder):
+    packed = training_bert(tiny_encoder.model)
+    copies = packed.product_weights(torch.bfloat16)
+    assert packed.product_weights(torch.bfloat16) is copies  # made once: the weights never change
+    assert len(copies) == len(packed.layers)
+    for layer, weights in zip(packed.layers, copies, strict=True):
+        for w, full in zip(weights, (layer.wqkv, layer.wo, layer.wi, layer.wf), strict=True):
+            assert w.dtype == torch.bfloat16 and not w.requires_grad and full.dtype == torch.float32
+            torch.testing.assert_close(w.float(), full, rtol=2**-8, atol=0)
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).detach().norm() / want.detach().norm().clamp(min=1e-12))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HALF_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_has_bfloat16(), reason="this CPU has no bfloat16 products")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.mark.parametrize("device", HALF_DEVICES)
 @pytest.mark.parametrize("case", ["classification-mean", "regression-pooler", "tagging", "ia3-classification"])
-def test_flash_attention_in_bfloat16_trains_as_the_exact_float32_model(tiny_encoder, case):
-    """On CUDA the trainer's default: bfloat16 autocast with variable-length flash attention and its backward. Its
-    logits and every gradient are the exact float32 model's to bfloat16's rounding; with dropout it stays finite."""
+def test_bfloat16_training_matches_the_exact_float32_model(tiny_encoder, case, device):
+    """The trainer's default where the device has it: on CUDA bfloat16 autocast with variable-length flash attention
+    and its backward; on the CPU the frozen weights' products in bfloat16, the rest float32. Its logits and every
+    gradient are the exact float32 model's to bfloat16's rounding; with dropout it stays finite."""
     kind, pooling, subset, n_out, scales = CASES[case]
-    device = torch.device("cuda")
     encoder = _perturbed(tiny_encoder.model, seed=1).to(device)
     trained = target_names(encoder, subset) + scale_names(encoder, scales)
     torch.manual_seed(0)
     head = nn.Linear(tiny_encoder.hidden_size, n_out)
     shared = training_bert(encoder)
     exact = PackedTaskModel(encoder, [head], kind, pooling, trained, packed=shared).train()
-    half = training_dtype(device)
-    flash = PackedTaskModel(encoder, [head], kind, pooling, trained, packed=shared, half_dtype=half).train()
-    assert half == torch.bfloat16 and exact.joint_key() != flash.joint_key()
-    batch = _batch(tiny_encoder.tokenizer, kind, n_out, device="cuda")
+    half = training_dtype(torch.device(device))
+    fast = PackedTaskModel(encoder, [head], kind, pooling, trained, packed=shared, half_dtype=half).train()
+    assert half == torch.bfloat16 and exact.joint_key() != fast.joint_key()
+    batch = _batch(tiny_encoder.tokenizer, kind, n_out, device=device)
     args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], None, batch["lengths"].tolist())
-    want, got = exact(*args), flash(*args)
+    want, got = exact(*args), fast(*args)
     keep = batch["labels"] != -100 if kind == "token-classification" else slice(None)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    assert _relative(got[keep], want[keep]) < 0.02
+    assert 0 < _relative(got[keep], want[keep]) < 0.02  # rounded (so the half path ran), and only rounded
     loss_fn(kind, want, batch["labels"]).backward()
     loss_fn(kind, got, batch["labels"]).backward()
-    assert flash.bank.grad is not None and exact.bank.grad is not None
-    assert _relative(flash.bank.grad, exact.bank.grad) < 0.05
-    assert _relative(flash.head_weight.grad, exact.head_weight.grad) < 0.05
+    assert fast.bank.grad is not None and exact.bank.grad is not None
+    assert _relative(fast.bank.grad, exact.bank.grad) < 0.05
+    assert _relative(fast.head_weight.grad, exact.head_weight.grad) < 0.05
     noisy = PackedTaskModel(
         encoder, [head], kind, pooling, trained, hidden_dropout=0.1, attention_dropout=0.1, half_dtype=half
     )
@@ -308,6 +334,26 @@ def test_train_patch_on_a_gpu_trains_in_bfloat16_unless_asked_for_float32(tmp_pa
     assert set(fast.patch.biases) == set(exact.patch.biases)
     assert all(torch.isfinite(v).all() for v in fast.patch.biases.values())
     assert fast.report["steps"] == exact.report["steps"] == 8
+
+
+def test_train_patch_on_the_cpu_trains_in_bfloat16_where_the_cpu_has_it(tmp_path, tiny_encoder, monkeypatch):
+    """On a CPU with bfloat16 products the default run's report says bfloat16 and its patch differs from the
+    float32 run's only by rounding; on one without (or with precision=float32) it trains in float32."""
+    train, dev = training_data(tmp_path, "classification", n_train=64, n_dev=16)
+    runs = {}
+    for native, precision in ((True, "auto"), (False, "auto"), (True, "float32")):
+        monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda native=native: native)
+        config = train_config(min_steps=8, eval_every=4, precision=precision, checkpoint="last")
+        runs[native, precision] = train_patch(tiny_encoder, train, dev, config)
+    fast, plain, exact = runs[True, "auto"], runs[False, "auto"], runs[True, "float32"]
+    assert fast.report["precision"] == "bfloat16"
+    assert plain.report["precision"] == exact.report["precision"] == "float32"
+    assert fast.patch is not None and exact.patch is not None and plain.patch is not None
+    for name, value in exact.patch.biases.items():
+        torch.testing.assert_close(plain.patch.biases[name], value)  # float32 either way: the same run
+        assert torch.isfinite(fast.patch.biases[name]).all()
+    moved = torch.cat([(fast.patch.biases[n] - v).flatten() for n, v in exact.patch.biases.items()])
+    assert 0 < float(moved.abs().max()) < 0.05  # bfloat16's products: close to the float32 run, not equal
 
 
 def test_dropout_is_applied_in_training_only(tiny_encoder):
@@ -404,9 +450,11 @@ def _dev_logits(result, encoder, dev):
 
 @pytest.mark.parametrize("patience", [100, 1])
 def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder, patience):
+    """In float32: bfloat16's products round each run's rows differently in a batch of other rows."""
     train, dev = training_data(tmp_path, "classification", n_train=96, n_dev=32)
+    exact = {"precision": "float32"}
     config = train_config(
-        min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr_search=[1e-2, 3e-3], restarts=2
+        min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr_search=[1e-2, 3e-3], restarts=2, **exact
     )
     together = train_patch(tiny_encoder, train, dev, config)
     assert together.report["selection"]["tried"] == 4
@@ -414,7 +462,9 @@ def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder
     alone = {}
     for lr in (1e-2, 3e-3):
         for seed in (config.seed, config.seed + 1):
-            one = train_config(min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr=lr, seed=seed, restarts=1)
+            one = train_config(
+                min_steps=24, eval_every=4, patience=patience, dropout=0.0, lr=lr, seed=seed, restarts=1, **exact
+            )
             alone[(lr, seed)] = train_patch(tiny_encoder, train, dev, one)
     for run in together.report["runs"]:
         ref = alone[(run["lr"], run["seed"])].report
@@ -428,7 +478,7 @@ def test_runs_in_one_batch_equal_the_same_runs_one_by_one(tmp_path, tiny_encoder
     torch.testing.assert_close(together.patch.head_weight, best.patch.head_weight, rtol=0, atol=1e-5)
     if patience == 100:  # the padded model, one run: the same predictions (its key biases drift on rounding noise,
         # which Adam scales up, but no output depends on them)
-        one = train_config(min_steps=24, eval_every=4, dropout=0.0, lr=1e-2, seed=config.seed, restarts=1)
+        one = train_config(min_steps=24, eval_every=4, dropout=0.0, lr=1e-2, seed=config.seed, restarts=1, **exact)
         padded = train_patch(tiny_encoder, train, dev, one, packed=False)
         assert padded.report["forward"] == "padded"
         ref = _dev_logits(alone[(1e-2, config.seed)], tiny_encoder, dev)

@@ -54,7 +54,7 @@ class Job:
     plan: Plan
     forward: str  # "packed" or "padded"
     seconds: float
-    precision: str = "float32"  # or "bfloat16" (the packed model with flash attention on a GPU)
+    precision: str = "float32"  # or "bfloat16" (the packed model: flash attention on a GPU, products on a CPU)
 
 
 def build(job: Job, kept: dict[str, Any], model: TaskModel, runs: list[dict[str, Any]]) -> dict[str, Any]:
