@@ -51,7 +51,7 @@ from torch import nn
 from patchserve.patches.bitfit import bias_parameters, ia3_base
 from patchserve.patches.lora import factor_pairs
 from patchserve.patches.packed_lora import LoraBank, LoraFactors, LowRank, fold_products, fold_through
-from patchserve.patches.packed_ops import dropout, token_biases
+from patchserve.patches.packed_ops import dropout, half_product, token_biases
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -372,8 +372,7 @@ class PackedBert:
             """``x @ w.T`` plus the biases of ``site``."""
             if weights is None:
                 return torch.addmm(bias(site), x, w.t())
-            # one op adds the low-precision product to the biases and returns the stream's type (type promotion)
-            return torch.add(bias(site), F.linear(x.to(w.dtype), w))
+            return half_product(x, w, bias(site))
 
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, hidden_dropout)

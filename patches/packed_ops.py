@@ -1,10 +1,11 @@
-"""Small ops of the packed model: training dropout (with a cheaper mask on the CPU) and each token's row of the bias
-banks (``token_biases``)."""
+"""Small ops of the packed model: training dropout (with a cheaper mask on the CPU), each token's row of the bias
+banks (``token_biases``) and a frozen weight's product in half precision with the biases added (``half_product``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,3 +67,53 @@ def token_biases(
         return current[name]
 
     return bias
+
+
+#: token counts a half-precision product on the CPU is padded to a multiple of. oneDNN builds a kernel for every
+#: shape it multiplies and keeps about a thousand; a trainer's batches have hundreds of token counts, times 8
+#: products a layer (4 forward, 4 backward), so unpadded nearly every product built its kernel anew (2.7 ms against
+#: 0.4-0.6 ms for one of [450, 1536] x [1536, 384] in bfloat16 on 2 cores with AMX). 64: the few rows it adds cost
+#: less than they save (docs/experiments.md).
+PRODUCT_BUCKET = 64
+
+
+class _HalfProduct(torch.autograd.Function):
+    """``bias + x @ w.T`` with the product in ``w``'s half type over ``x`` padded to ``PRODUCT_BUCKET`` tokens, the
+    sum in ``bias``'s type; backward: ``x``'s gradient from the same padded product, ``bias``'s the sum's own (summed
+    over tokens where ``bias`` is one row broadcast to all). ``w`` is frozen: it gets none."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]  # x [N, in], w [out, in], bias [N or 1, out]
+        xh = _padded(x, w.dtype)  # [M, in], M = N rounded up to the bucket
+        ctx.save_for_backward(w)
+        ctx.x_dtype, ctx.bias_rows = x.dtype, bias.shape[0]
+        return torch.add(bias, F.linear(xh, w)[:n])  # [N, out] in bias's type (type promotion: one op)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
+        (w,) = ctx.saved_tensors
+        n = grad.shape[0]
+        gx = torch.mm(_padded(grad, w.dtype), w)[:n].to(ctx.x_dtype) if ctx.needs_input_grad[0] else None  # [N, in]
+        gb = None
+        if ctx.needs_input_grad[2]:
+            gb = grad.sum(0, keepdim=True) if ctx.bias_rows == 1 and n != 1 else grad
+        return gx, None, gb
+
+
+def _padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[N, D]`` cast to ``dtype`` in a ``[M, D]`` buffer, M = N rounded up to ``PRODUCT_BUCKET``, its extra
+    rows zero (a product's row depends on its own row only: they are cut from the result)."""
+    n = x.shape[0]
+    out = x.new_empty((-(-n // PRODUCT_BUCKET) * PRODUCT_BUCKET, x.shape[1]), dtype=dtype)
+    out[:n].copy_(x)
+    out[n:].zero_()
+    return out
+
+
+def half_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``bias + x @ w.T`` ``[N, out]`` in ``bias``'s type, the product in ``w``'s (a half type) over ``x`` padded
+    to a multiple of ``PRODUCT_BUCKET`` tokens, in its backward too: a trainer's products on a CPU that multiplies
+    bfloat16 in hardware, against frozen half copies of the weights."""
+    out: torch.Tensor = _HalfProduct.apply(x, w, bias)
+    return out

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from patchserve.patches import packed_model
@@ -20,7 +21,7 @@ from patchserve.patches.packed_model import (
     training_bert,
     training_dtype,
 )
-from patchserve.patches.packed_ops import dropout, keep_mask
+from patchserve.patches.packed_ops import PRODUCT_BUCKET, dropout, half_product, keep_mask
 from patchserve.trainer.features import Features, collate, featurize
 from patchserve.trainer.models import set_dropout
 from patchserve.trainer.runs import loss_fn
@@ -273,6 +274,32 @@ def test_bfloat16_products_use_copies_of_the_frozen_weights_made_once(tiny_encod
         for w, full in zip(weights, (layer.wqkv, layer.wo, layer.wi, layer.wf), strict=True):
             assert w.dtype == torch.bfloat16 and not w.requires_grad and full.dtype == torch.float32
             torch.testing.assert_close(w.float(), full, rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, PRODUCT_BUCKET - 1, PRODUCT_BUCKET, 2 * PRODUCT_BUCKET + 5])
+@pytest.mark.parametrize("bias_rows", ["per token", "one row"])
+def test_a_half_product_over_padded_tokens_is_the_half_product_of_its_own_rows(n, bias_rows):
+    """``half_product`` pads the tokens to a bucket for the product and cuts the padding off: every output row and
+    every gradient is the unpadded bfloat16 product's (each row alone), the bias's gradient summed where one row was
+    broadcast to every token."""
+    torch.manual_seed(0)
+    w32 = torch.randn(24, 16)
+    w = w32.to(torch.bfloat16)
+    x = torch.randn(n, 16, requires_grad=True)
+    bias = torch.randn(n if bias_rows == "per token" else 1, 24, requires_grad=True)
+    got = half_product(x, w, bias)
+    assert got.shape == (n, 24) and got.dtype == torch.float32
+    # each row by itself, in bfloat16, with its bias added in float32
+    rows = torch.cat([F.linear(x[i : i + 1].detach().to(torch.bfloat16), w).float() for i in range(n)])
+    torch.testing.assert_close(got, bias.detach() + rows, rtol=2**-7, atol=1e-6)
+    grad = torch.randn(n, 24)
+    got.backward(grad)
+    assert x.grad is not None and bias.grad is not None and w.grad is None
+    want_x = torch.cat([(grad[i : i + 1].to(torch.bfloat16) @ w).float() for i in range(n)])
+    torch.testing.assert_close(x.grad, want_x, rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(bias.grad, grad if bias_rows == "per token" else grad.sum(0, keepdim=True))
+    # and the float32 product's to bfloat16's rounding
+    assert _relative(got, bias.detach() + x.detach() @ w32.t()) < 0.01
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
