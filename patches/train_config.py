@@ -187,7 +187,7 @@ class TrainConfig:
         "auto",
         "The packed model's arithmetic: auto trains in bfloat16 with flash attention on a CUDA GPU that has it "
         "(compute capability 8.0 on), with the frozen weights' products in bfloat16 on a CPU that has bfloat16 "
-        "instructions (AVX512-BF16 or AMX; about 0.7x the time of a float32 update), and in float32 elsewhere; "
+        "instructions (AVX512-BF16 or AMX; a run takes about 0.75x the float32 one's time), and in float32 elsewhere; "
         "float32 trains in float32 everywhere.",
     )
 
