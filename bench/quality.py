@@ -377,9 +377,7 @@ def record_run(
     rec["device"] = device.type
     if device.type == "cuda":
         rec["device_name"] = torch.cuda.get_device_name(device)
-    elif (
-        device.type == "cpu" and packed_model.cpu_has_bfloat16()
-    ):  # a machine apart: the packed model's products in bfloat16
+    elif device.type == "cpu" and packed_model.cpu_has_bfloat16():  # a machine apart: bfloat16 products
         rec["device_name"] = CPU_BFLOAT16
     if note:
         rec["note"] = note

@@ -16,7 +16,7 @@ patch (biases plus (IA)^3 scales, ``--scales ia3``): ``ia3_vs_packed`` is its up
 on CUDA, where an update of a small model is bound by launching them. Where the packed model's default is bfloat16
 (a CUDA GPU: autocast with flash attention; a CPU with bfloat16 instructions: the frozen weights' products),
 ``packed-float32`` is the same update in float32 throughout (``--precision float32``), and ``half_speedup`` its time
-over the default's (``flash_speedup`` on CUDA, as rows before 2026-12-01 call it).
+over the default's (CUDA rows before 2026-12-02 call it ``flash_speedup``).
 
 Runs. A default ``train_patch`` of each mode (BitFit packed, BitFit padded, full) on the first ``--run-rows`` rows
 of the training set with ``--dev-rows`` dev rows, each in its own process: its wall time, steps and dev accuracy.
@@ -326,8 +326,7 @@ def main() -> None:
     }
     if "packed-float32" in med:  # the packed update in float32 throughout, against the default's bfloat16
         result["ms_update_packed_float32"] = round(med["packed-float32"]["s_per_update"] * 1e3, 1)
-        speedup = round(med["packed-float32"]["s_per_update"] / med["packed"]["s_per_update"], 2)
-        result["flash_speedup" if args.device.startswith("cuda") else "half_speedup"] = speedup
+        result["half_speedup"] = round(med["packed-float32"]["s_per_update"] / med["packed"]["s_per_update"], 2)
     if args.note:
         result["note"] = args.note
     if trained:

@@ -49,7 +49,8 @@ PRECISIONS = ("auto", "float32")  # patches.train_config.TrainConfig.precision
 
 def cpu_has_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX), where a bfloat16 product
-    takes under half a float32 one's time (2 to 2.7x less on the 2-core AMD EPYC machines this project runs on); on
+    takes under half a float32 one's time (2 to 2.7x less on a 2-core AMD EPYC with AVX512-BF16; 2.5 to 8x less on
+    a 2-core Intel Xeon with AMX, once oneDNN has built its kernel for the shape: ``packed_ops.PRODUCT_BUCKET``); on
     other CPUs torch emulates it, slower than float32."""
     probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(probe is not None and bool(probe()) for probe in probes)
