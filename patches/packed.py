@@ -50,6 +50,7 @@ from torch import nn
 
 from patchserve.patches.bitfit import bias_parameters, ia3_base
 from patchserve.patches.lora import factor_pairs
+from patchserve.patches.packed_attention import AttentionGroups, grouped_attention
 from patchserve.patches.packed_lora import LoraBank, LoraFactors, LowRank, fold_products, fold_through
 from patchserve.patches.packed_ops import dropout, half_product, token_biases
 
@@ -112,6 +113,7 @@ class PackedBatch:
     max_len: int  # the longest row (flash attention's grid bound)
     pidx: torch.Tensor | None = None  # [N] position of each token in a padded [R * max_len] layout
     key_mask: torch.Tensor | None = None  # [R, 1, 1, max_len] bool, True for real keys
+    groups: AttentionGroups | None = None  # the exact path's rows grouped by length (a trainer's, on the CPU)
 
 
 class Heads(NamedTuple):
@@ -422,25 +424,14 @@ class PackedBert:
                 q, k, v, b.cu, b.cu, b.max_len, b.max_len, dropout_p, False, False, scale=1.0 / math.sqrt(d)
             )[0]
             return out.reshape(n, self.hidden)
+        if b.groups is not None:  # a trainer's batch on the CPU: rows grouped by length, dropout ``dropout()``'s
+            return grouped_attention(qkv, b.groups, dropout_p)
         # exact path: pad only the attention, [R, heads, T, d], keys masked per row
         assert b.pidx is not None and b.key_mask is not None
         r, t = b.key_mask.shape[0], b.key_mask.shape[-1]
         padded = qkv.new_zeros(r * t, 3 * self.hidden).index_copy_(0, b.pidx, qkv)
         q, k, v = padded.view(r, t, 3, nh, d).permute(2, 0, 3, 1, 4).unbind(0)  # each [R, heads, T, d]
-        if dropout_p > 0 and qkv.is_cpu:  # training on the CPU: written out, so the dropout is ``dropout()``'s
-            scores = torch.baddbmm(
-                torch.zeros(r, 1, 1, t, dtype=qkv.dtype, device=qkv.device)
-                .masked_fill_(~b.key_mask, float("-inf"))
-                .expand(r, nh, 1, t)
-                .reshape(r * nh, 1, t),
-                q.reshape(r * nh, t, d),
-                k.reshape(r * nh, t, d).transpose(1, 2),
-                alpha=1.0 / math.sqrt(d),
-            )
-            probs = dropout(torch.softmax(scores, dim=-1), dropout_p)
-            out = torch.bmm(probs, v.reshape(r * nh, t, d)).view(r, nh, t, d)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.key_mask, dropout_p=dropout_p)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=b.key_mask, dropout_p=dropout_p)
         return out.transpose(1, 2).reshape(r * t, self.hidden).index_select(0, b.pidx)
 
     def pool(

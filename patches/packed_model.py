@@ -41,6 +41,7 @@ from patchserve.patches.format import LORA_A, LORA_B
 from patchserve.patches.lora import LoraSpec, factor_pairs, lora_shapes
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
+from patchserve.patches.packed_attention import attention_groups
 from patchserve.patches.packed_layout import add_exact_attention, to_device
 from patchserve.patches.packed_lora import LoraFactors, module_factors
 
@@ -333,6 +334,8 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
     flash = first.half_dtype is not None and joint.ids.is_cuda
     if not flash:
         add_exact_attention(joint, lengths)
+    if joint.ids.is_cpu:  # rows grouped by length for attention (patches/packed_attention.py)
+        joint.groups = attention_groups(lengths, packed_bert.n_heads)
     half = torch.autocast("cuda", dtype=first.half_dtype) if flash else contextlib.nullcontext()
     with half:
         x = packed_bert.encode(

@@ -4,6 +4,8 @@ to their own biases and heads, and train_patch's runs in one batch equal the sam
 from __future__ import annotations
 
 import copy
+import itertools
+import random
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch import nn
 from patchserve.patches import packed_model
 from patchserve.patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, scale_names, target_names
 from patchserve.patches.model import TaskModel
+from patchserve.patches.packed_attention import attention_groups, length_groups
 from patchserve.patches.packed_layout import add_exact_attention
 from patchserve.patches.packed_model import (
     PackedTaskModel,
@@ -407,15 +410,17 @@ def test_keep_masks_keep_each_element_independently_at_the_rate_asked():
         torch.manual_seed(1)
         mask = keep_mask((n,), keep)
         sigma = (keep * (1 - keep) / n) ** 0.5
-        # the two 32-bit halves of each 64-bit draw (even and odd positions), and neighbours across them
-        for part, share in (
-            ("all", mask.float().mean()),
-            ("even", mask[0::2].float().mean()),
-            ("odd", mask[1::2].float().mean()),
-        ):
-            assert abs(float(share) - keep) < 5 * sigma * (2**0.5 if part != "all" else 1), (keep, part, share)
-        both = (mask[0::2] & mask[1::2]).float().mean()
-        assert abs(float(both) - keep**2) < 5 * (keep**2 * (1 - keep**2) / (n // 2)) ** 0.5, (keep, both)
+        assert abs(float(mask.float().mean()) - keep) < 5 * sigma, (keep, "all")
+        # each of the four 16-bit quarters of a 64-bit draw (positions mod 4), and neighbours within and across draws
+        quarters = mask.view(-1, 4).float()
+        for q in range(4):
+            assert abs(float(quarters[:, q].mean()) - keep) < 5 * sigma * 2, (keep, q)
+        pair_sigma = 5 * (keep**2 * (1 - keep**2) / (n // 4)) ** 0.5
+        for a, b in ((0, 1), (1, 2), (2, 3)):
+            both = (quarters[:, a] * quarters[:, b]).mean()
+            assert abs(float(both) - keep**2) < pair_sigma, (keep, a, b, both)
+        across = (quarters[:-1, 3] * quarters[1:, 0]).mean()
+        assert abs(float(across) - keep**2) < pair_sigma, (keep, "across", across)
     torch.manual_seed(7)
     first = keep_mask((3, 1001), 0.5)
     torch.manual_seed(7)
@@ -435,25 +440,58 @@ def test_dropout_zeroes_and_rescales_and_its_gradient_uses_the_same_mask():
     torch.testing.assert_close(x.grad, kept.float() / 0.75)
 
 
-def test_attention_written_out_for_dropout_equals_the_fused_one(tiny_encoder):
-    """On the CPU, attention with dropout is written out (so its mask is ``keep_mask``'s); at a rate that never drops
-    it must give the fused path's values and gradients, padding rows and masked keys included."""
+def test_attention_grouped_by_length_equals_the_padded_one(tiny_encoder):
+    """A trainer's batch on the CPU attends with its rows grouped by length (patches/packed_attention.py), its
+    dropout written out (so its mask is ``keep_mask``'s): at a rate that never drops it must give the padded fused
+    path's values and gradients, rows of every length, padding tokens and masked keys included."""
     packed = training_bert(tiny_encoder.model)
     batch = _batch(tiny_encoder.tokenizer, "classification", 2)
     model = PackedTaskModel(tiny_encoder.model, [nn.Linear(tiny_encoder.hidden_size, 2)], "classification", "mean", [])
     b, lengths = model.pack(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
     add_exact_attention(b, lengths)
+    groups = attention_groups(lengths, packed.n_heads)
+    assert len(set(lengths)) > 2 and 1 < len(groups.shapes) < len(lengths)  # grouped: neither one group nor a row each
     torch.manual_seed(0)
     qkv = torch.randn(sum(lengths), 3 * packed.hidden)
     outs, grads = [], []
-    for rate in (0.0, 1e-12):  # 1e-12: the written-out path; a mask drops with probability 2^-32
+    for rate, grouped in ((0.0, None), (1e-12, groups), (0.0, groups)):  # 1e-12: keep rounds to 1, no mask drops
+        b.groups = grouped
         leaf = qkv.clone().requires_grad_()
         out = packed._attend(leaf, b, "exact", rate)
         out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin())
         outs.append(out)
         grads.append(leaf.grad)
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-5)
+    for out, grad in zip(outs[1:], grads[1:], strict=True):
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(grad, grads[0], rtol=0, atol=1e-5)
+
+
+def test_length_groups_cut_the_sorted_rows_where_the_work_is_least():
+    """Each row in exactly one group, groups of consecutive lengths, and the cuts the cheapest of all cuts of the
+    sorted rows (checked against every one of them)."""
+    rng = random.Random(3)
+    for _ in range(30):
+        lengths = [rng.randint(1, 80) for _ in range(rng.randint(1, 10))]
+        groups = length_groups(lengths, group_cost=500)
+        assert sorted(int(i) for g in groups for i in g) == list(range(len(lengths)))
+        spans = [(min(lengths[i] for i in g), max(lengths[i] for i in g)) for g in groups]
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+        def cost(sizes: list[int], ordered: list[int]) -> float:
+            total, start = 0.0, 0
+            for size in sizes:
+                total += 500 + size * ordered[start + size - 1] ** 2
+                start += size
+            return total
+
+        ordered = sorted(lengths)
+        n = len(ordered)
+        best = min(
+            cost([b - a for a, b in itertools.pairwise([0, *cuts, n])], ordered)
+            for k in range(n)
+            for cuts in itertools.combinations(range(1, n), k)
+        )
+        assert cost([len(g) for g in groups], ordered) == best
 
 
 def test_train_patch_packs_bitfit_and_pads_full_fine_tuning(tmp_path, tiny_encoder):
