@@ -91,7 +91,9 @@ class _HalfProduct(torch.autograd.Function):
         xh = _padded(x, w.dtype)  # [M, in], M = N rounded up to the bucket
         ctx.save_for_backward(w)
         ctx.x_dtype, ctx.bias_rows = x.dtype, bias.shape[0]
-        return torch.add(bias, F.linear(xh, w)[:n])  # [N, out] in bias's type (type promotion: one op)
+        # cast, then add: an add that promotes bfloat16 to float32 as it goes is not vectorised on the CPU (6.2 against
+        # 0.2 ms for [1728, 1536], 2 cores)
+        return F.linear(xh, w)[:n].to(bias.dtype).add_(bias)  # [N, out] in bias's type
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
