@@ -332,10 +332,10 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
     # on CUDA the encoder runs under autocast with flash attention (pooling and the heads below stay float32, as
     # encode's output is); on the CPU only the frozen weights' products take the half type, attention stays exact
     flash = first.half_dtype is not None and joint.ids.is_cuda
-    if not flash:
-        add_exact_attention(joint, lengths)
-    if joint.ids.is_cpu:  # rows grouped by length for attention (patches/packed_attention.py)
+    if joint.ids.is_cpu:  # exact attention with the rows grouped by length (patches/packed_attention.py)
         joint.groups = attention_groups(lengths, packed_bert.n_heads)
+    elif not flash:  # exact attention over the rows padded to the longest (a GPU in float32)
+        add_exact_attention(joint, lengths)
     half = torch.autocast("cuda", dtype=first.half_dtype) if flash else contextlib.nullcontext()
     with half:
         x = packed_bert.encode(
