@@ -377,7 +377,7 @@ def record_run(
     rec["device"] = device.type
     if device.type == "cuda":
         rec["device_name"] = torch.cuda.get_device_name(device)
-    elif device.type == "cpu" and packed_model.cpu_has_bfloat16():  # a machine apart: bfloat16 products
+    elif device.type == "cpu" and packed_model.cpu_bfloat16_is_faster():  # a machine apart: bfloat16 products
         rec["device_name"] = CPU_BFLOAT16
     if note:
         rec["note"] = note
@@ -475,9 +475,10 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
         "metric (accuracy; Spearman x100 for STS-B; token accuracy for brown_pos, whose part-of-speech tags are "
         "not BIO-style) as mean ± std over seeds; minutes per run (wall clock) on the machine named. "
         "One table per machine: runs on different machines are not averaged together. "
-        f"`cpu: {CPU_BFLOAT16}` is a CPU with bfloat16 instructions (AVX512-BF16 or AMX) since 2026-12-01, where "
-        "the packed model's default takes the frozen weights' products in bfloat16 (full fine-tuning stays "
-        "float32); `cpu` runs took them in float32 (every CPU run before that day, and any on a CPU without them).",
+        f"`cpu: {CPU_BFLOAT16}` is a CPU where the packed model's default takes the frozen weights' products in "
+        "bfloat16 (full fine-tuning stays float32): since 2026-12-01 one with bfloat16 instructions (AVX512-BF16 "
+        "or AMX), since 2026-12-02 one where they measure faster than float32's; `cpu` runs took them in float32 "
+        "(every CPU run before 2026-12-01, and any on a CPU without them or where they are slower).",
         "",
         f"Reproduce all of it with `python bench/quality.py` ({len(SETS)} sets x {len(MODES)} modes x 3 seeds; "
         "resumable: every finished run is appended to `docs/quality-runs.jsonl` and skipped next time on the same "

@@ -14,7 +14,7 @@ during the updates minus before them on the CPU; peak allocated bytes on CUDA). 
 patch (biases plus (IA)^3 scales, ``--scales ia3``): ``ia3_vs_packed`` is its update's time over BitFit's.
 ``ops_update_MODE`` counts one update's ATen ops on the CPU, its host-side launches (kernels, graph launches, copies)
 on CUDA, where an update of a small model is bound by launching them. Where the packed model's default is bfloat16
-(a CUDA GPU: autocast with flash attention; a CPU with bfloat16 instructions: the frozen weights' products),
+(a CUDA GPU: autocast with flash attention; a CPU whose bfloat16 products measure faster: the frozen weights' products),
 ``packed-float32`` is the same update in float32 throughout (``--precision float32``), and ``half_speedup`` its time
 over the default's (CUDA rows before 2026-12-02 call it ``flash_speedup``).
 
@@ -420,7 +420,9 @@ def render(jsonl: Path) -> None:
         "the CPU, peak allocated on CUDA). Goals (issue 25, 2 CPU cores): packed >= 1.8x padded per update, and a",
         "default BitFit run no longer than a default full fine-tuning run (`ratio_run` <= 1). On CUDA, rows from",
         "2026-11-27 on train the packed model in bfloat16 with flash attention (issue 60), and on a CPU with",
-        "bfloat16 instructions rows from 2026-12-01 on take the frozen weights' products in bfloat16; `ms packed",
+        "bfloat16 instructions rows from 2026-12-01 on take the frozen weights' products in bfloat16 (from",
+        "2026-12-02 on only where they measure faster than float32's at start: not on an Intel Xeon without AMX,",
+        "where `ms packed` is then the float32 update); `ms packed",
         "float32` is the same update in float32 throughout (`--precision float32`), as every earlier row ran it.",
         "",
         "## Updates",

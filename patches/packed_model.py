@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
+import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -45,23 +48,58 @@ from patchserve.patches.packed_attention import attention_groups
 from patchserve.patches.packed_layout import add_exact_attention, to_device
 from patchserve.patches.packed_lora import LoraFactors, module_factors
 
+log = logging.getLogger(__name__)
+
 PRECISIONS = ("auto", "float32")  # patches.train_config.TrainConfig.precision
 
 
 def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX), where a bfloat16 product
-    takes under half a float32 one's time (2 to 2.7x less on a 2-core AMD EPYC with AVX512-BF16; 2.5 to 8x less on
-    a 2-core Intel Xeon with AMX, once oneDNN has built its kernel for the shape: ``packed_ops.PRODUCT_BUCKET``); on
-    other CPUs torch emulates it, slower than float32."""
+    """Whether this CPU has bfloat16 matrix instructions (AVX512-BF16 or AMX); without them torch emulates bfloat16
+    products, slower than float32 ones. Having them is not enough to train in it: ``cpu_bfloat16_is_faster``."""
     probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(probe is not None and bool(probe()) for probe in probes)
+
+
+#: bfloat16 products are taken where they measure at most this share of float32's time: they are about half of an
+#: update, and casting their inputs and outputs costs the rest of the gain below it
+FASTER = 0.75
+
+
+@functools.cache
+def cpu_bfloat16_is_faster() -> bool:
+    """Whether this CPU's bfloat16 products beat its float32 ones, measured once a process (about 0.1 s): a product
+    of a packed batch's shape (256 tokens, hidden 384, intermediate 1,536), its input cast as ``half_product`` casts
+    it, 5 timings each way interleaved, fastest against fastest. The instructions alone do not say it: a bfloat16
+    product took 0.37-0.5x float32's time on a 2-core AMD EPYC with AVX512-BF16 and 0.12-0.4x on an Intel Xeon with
+    AMX, but 1.4-1.8x on an Intel Xeon with AVX512-BF16 and no AMX (2 cores, 2026-12-02), where a bfloat16 update
+    took 1.17x the float32 one's."""
+    if not cpu_has_bfloat16():
+        return False
+    x = torch.randn(256, 384)
+    weights = {dtype: torch.randn(1536, 384).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    best = dict.fromkeys(weights, math.inf)
+    with torch.no_grad():
+        for rep in range(7):  # the first two build each kernel (oneDNN's, with AMX, per shape)
+            for dtype, w in weights.items():
+                start = time.perf_counter()
+                torch.nn.functional.linear(x.to(dtype), w)
+                if rep >= 2:
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+    share = best[torch.bfloat16] / best[torch.float32]
+    log.info(
+        "bfloat16 products take %.2fx float32's time on this CPU: training %s",
+        share,
+        "takes them" if share <= FASTER else "stays float32",
+    )
+    return share <= FASTER
 
 
 def training_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
     """The half-precision type a packed model trains in on ``device`` (None: float32 throughout) with
     ``precision="auto"``: bfloat16 on a CUDA device of compute capability 8.0 or later (autocast, with flash
-    attention's bfloat16 kernels) and on a CPU that multiplies bfloat16 in hardware (``cpu_has_bfloat16``: the frozen
-    weights' products only); float32 on other CPUs and GPUs and with ``precision="float32"``."""
+    attention's bfloat16 kernels) and on a CPU whose bfloat16 products beat its float32 ones
+    (``cpu_bfloat16_is_faster``: the frozen weights' products only); float32 on other CPUs and GPUs and with
+    ``precision="float32"``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     if precision == "float32":
@@ -69,7 +107,7 @@ def training_dtype(device: torch.device, precision: str = "auto") -> torch.dtype
     if device.type == "cuda":
         usable = torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.bfloat16 if usable else None
-    if device.type == "cpu" and cpu_has_bfloat16():
+    if device.type == "cpu" and cpu_bfloat16_is_faster():
         return torch.bfloat16
     return None
 

@@ -186,9 +186,9 @@ class TrainConfig:
     precision: Literal["auto", "float32"] = _option(
         "auto",
         "The packed model's arithmetic: auto trains in bfloat16 with flash attention on a CUDA GPU that has it "
-        "(compute capability 8.0 on), with the frozen weights' products in bfloat16 on a CPU that has bfloat16 "
-        "instructions (AVX512-BF16 or AMX; a run takes about 0.75x the float32 one's time), and in float32 elsewhere; "
-        "float32 trains in float32 everywhere.",
+        "(compute capability 8.0 on), with the frozen weights' products in bfloat16 on a CPU where they measure "
+        "faster than float32 ones (AMX, or AMD's AVX512-BF16; a run takes about 0.75x the float32 one's time), and in "
+        "float32 elsewhere; float32 trains in float32 everywhere.",
     )
 
     def __post_init__(self) -> None:

@@ -114,7 +114,7 @@ def test_runs_recorded_before_a_setting_existed_compare_as_they_ran():
 
 def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(tmp_path, capsys, monkeypatch):
     # a CPU without bfloat16 products (one with them: tests/test_bench_quality.py), so float32 is the default here
-    monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda: False)
+    monkeypatch.setattr(packed_model, "cpu_bfloat16_is_faster", lambda: False)
     runs_file, today, cpu = tmp_path / "runs.jsonl", default_settings("bitfit"), torch.device("cpu")
     seen: list[list[dict]] = []
     small = (230, 26, "classification")  # 256 rows: training and carved dev

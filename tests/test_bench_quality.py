@@ -252,11 +252,11 @@ def test_a_run_counts_as_already_run_only_in_the_arithmetic_it_would_train_in_he
     shape = (4952, 500, "classification")
     cpu = torch.device("cpu")
     for native in (True, False):
-        monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda native=native: native)
+        monkeypatch.setattr(packed_model, "cpu_bfloat16_is_faster", lambda native=native: native)
         assert already_run(path, today, shape, cpu, set="trec", mode="bitfit", seed=0) is not native
         assert already_run(path, full, shape, cpu, set="trec", mode="full", seed=0)  # full is float32 everywhere
     new = key | {"settings": today, "precision": "bfloat16", "device_name": CPU_BFLOAT16}
     write_jsonl(path, [old, new])
-    monkeypatch.setattr(packed_model, "cpu_has_bfloat16", lambda: True)
+    monkeypatch.setattr(packed_model, "cpu_bfloat16_is_faster", lambda: True)
     assert already_run(path, today, shape, cpu, set="trec", mode="bitfit", seed=0)
     assert (device_of(old), device_of(new)) == ("cpu", "cpu: bfloat16 products")
