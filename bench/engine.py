@@ -17,7 +17,9 @@ every iteration so drift hits all alike:
   on every layer's keys, values and intermediate), so every row also multiplies in its own scales: what the opt-in
   patch kind costs to serve (``ratio_ia3_vs_engine``, its time over the engine's);
 * engine_lora: the same with ``lora`` patches (the same biases and heads, plus rank-8 LoRA on ``--lora-targets`` of
-  every layer: by default the trainer's, every linear layer): ``ratio_lora_vs_engine``.
+  every layer: by default the trainer's, every linear layer): ``ratio_lora_vs_engine``;
+* engine_bf16 (on the CPU in float32 only): the engine's runner and patches in bfloat16, what ``--dtype bfloat16``
+  buys a CPU server (``ratio_bf16_vs_engine``): less than 1 only where the CPU's bfloat16 products are fast.
 
 Times are medians over the iterations (host tensors in, host logits out, device synchronised); the engine is also
 timed pipelined, as the server's batcher runs it (the next batch launched before the previous one is finished).
@@ -57,7 +59,7 @@ from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
 
 OUT = ROOT / "docs" / "benchmarks"
-PATHS = ("plain", "naive", "engine", "engine_ia3", "engine_lora")
+PATHS = ("plain", "naive", "engine", "engine_ia3", "engine_lora", "engine_bf16")  # engine_bf16: CPU float32 only
 TWINS = {"engine_ia3": {"ia3_scale": 0.05}, "engine_lora": {"lora_rank": 8, "lora_scale": 0.05}}  # their patches'
 LORA_RANK = 8
 
@@ -69,6 +71,12 @@ class Paths:
         self.plain_enc = load_encoder(args.model)
         self.runner = Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
         self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.bf16_runner = (
+            Runner(load_encoder(args.model), device=args.device, dtype="bfloat16", slots=n_tasks)
+            if self.device.type == "cpu" and self.dtype == torch.float32
+            else None
+        )
+        self.names = [p for p in PATHS if p != "engine_bf16" or self.bf16_runner is not None]
         self.plain = self.plain_enc.model.to(self.device, self.dtype).eval()
         naive_enc = load_encoder(args.model)
         self.naive = naive_enc.model.to(self.device, self.dtype).eval()
@@ -111,6 +119,8 @@ class Paths:
         empty = self.plain_enc.tokenizer("")["input_ids"]  # [CLS] [SEP] in this encoder's vocabulary
         for i in range(0, n_tasks, 128):  # every task resident: the steady state, not slot loading
             self.runner.run([Row(empty, [0] * len(empty), p) for p in self.patches[i : i + 128]])
+            if self.bf16_runner is not None:
+                self.bf16_runner.run([Row(empty, [0] * len(empty), p) for p in self.patches[i : i + 128]])
             for path, runner in self.twin_runners.items():
                 twins = self.twin_of[path]
                 runner.run([Row(empty, [0] * len(empty), twins[p.patch_id]) for p in self.patches[i : i + 128]])
@@ -160,6 +170,10 @@ class Paths:
     def run_engine(self, rows: list[Row]) -> None:
         self.runner.run(rows)
 
+    def run_engine_bf16(self, rows: list[Row]) -> None:
+        assert self.bf16_runner is not None
+        self.bf16_runner.run(rows)
+
     def run_twins(self, path: str, rows: list[Row]) -> None:
         """The scaled path ``path``: the same rows, each with its task's twin patch, on that path's runner."""
         cached = self._twin_rows.get((path, id(rows)))
@@ -181,6 +195,7 @@ class Paths:
             "engine": self.run_engine,
             "engine_ia3": self.run_engine_ia3,
             "engine_lora": self.run_engine_lora,
+            "engine_bf16": self.run_engine_bf16,
         }
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
@@ -201,7 +216,8 @@ def measure(
     rng = random.Random(seed)
     tok = paths.encoder.tokenizer
     fns = paths.fns()
-    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    names = paths.names
+    times: dict[str, list[float]] = {p: [] for p in names}
     batches: list[list[Row]] = []
     for _ in range(iters):
         chosen = [texts[rng.randrange(len(texts))] for _ in range(batch)]
@@ -216,10 +232,10 @@ def measure(
     # every path first sees every batch once, untimed: kernels that are planned per shape (cuDNN attention in the
     # plain model: ~90 ms for each new padded shape on an H100) and graphs captured per bucket are all warm
     for rows in batches:
-        for name in PATHS:
+        for name in names:
             fns[name](rows)
     for i, rows in enumerate(batches):
-        order = list(PATHS[i % len(PATHS) :] + PATHS[: i % len(PATHS)])
+        order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
             paths.sync()
             t0 = time.perf_counter()
@@ -227,7 +243,7 @@ def measure(
             paths.sync()
             times[name].append(time.perf_counter() - t0)
     rows = batches[-1]
-    med = {p: statistics.median(times[p]) for p in PATHS}
+    med = {p: statistics.median(times[p]) for p in names}
     pipelined = statistics.median(pipelined_seconds(paths, batches) for _ in range(3))
     return {
         "device": device_name(paths.device),
@@ -240,14 +256,15 @@ def measure(
         "iters": iters,
         "distinct_tasks_last": len({r.key for r in rows}),
         "tokens_last": sum(len(r.input_ids) for r in rows),
-        **{f"ms_{p}": round(med[p] * 1e3, 3) for p in PATHS},
-        **{f"rows_per_s_{p}": round(batch / med[p], 1) for p in PATHS},
+        **{f"ms_{p}": round(med[p] * 1e3, 3) for p in names},
+        **{f"rows_per_s_{p}": round(batch / med[p], 1) for p in names},
         "ms_engine_pipelined": round(pipelined * 1e3, 3),
         "rows_per_s_engine_pipelined": round(batch / pipelined, 1),
         "ratio_vs_plain": round(med["plain"] / med["engine"], 3),
         "ratio_vs_naive": round(med["naive"] / med["engine"], 3),
         "ratio_ia3_vs_engine": round(med["engine_ia3"] / med["engine"], 3),
         "ratio_lora_vs_engine": round(med["engine_lora"] / med["engine"], 3),
+        **({"ratio_bf16_vs_engine": round(med["engine_bf16"] / med["engine"], 3)} if "engine_bf16" in med else {}),
         "lora_rank": LORA_RANK,
         "lora_targets": list(paths.lora_targets),
         "ops_engine": paths.count_ops(paths.run_engine, rows),
@@ -298,7 +315,8 @@ def render(jsonl: Path) -> None:
         "throughput over that path's on the same rows; `bitfit-ia3 time / engine`: the engine's time on the same",
         "rows when every task is a bitfit-ia3 patch (biases plus (IA)^3 scales), over its time with BitFit patches;",
         "`lora time / engine`: the same with lora patches (rank-8 LoRA on the layers a run's `lora_targets` names;",
-        "query and value in runs that do not name them);",
+        "query and value in runs that do not name them); `bfloat16 time / engine` (CPU float32 runs): the same rows",
+        "and patches on a bfloat16 runner, over the engine's time in float32;",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -308,17 +326,19 @@ def render(jsonl: Path) -> None:
             f"## {dev} ({mine[0]['dtype']}, torch {mine[0]['torch']})",
             "",
             "| tasks | dist | batch | plain rows/s | naive rows/s | engine rows/s | vs plain | vs naive "
-            "| ops plain | ops naive | ops engine | bitfit-ia3 time / engine | lora time / engine |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| ops plain | ops naive | ops engine | bitfit-ia3 time / engine | lora time / engine "
+            "| bfloat16 time / engine |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(mine, key=lambda r: (r["tasks"], r["dist"], r["batch"])):
             ia3 = f"{r['ratio_ia3_vs_engine']:.3f}" if "ratio_ia3_vs_engine" in r else "-"
             lora = f"{r['ratio_lora_vs_engine']:.3f}" if "ratio_lora_vs_engine" in r else "-"
+            bf16 = f"{r['ratio_bf16_vs_engine']:.3f}" if "ratio_bf16_vs_engine" in r else "-"
             lines.append(
                 f"| {r['tasks']} | {r['dist']} | {r['batch']} | {r['rows_per_s_plain']:.0f} | "
                 f"{r['rows_per_s_naive']:.0f} | {r['rows_per_s_engine']:.0f} | {r['ratio_vs_plain']:.2f}x | "
                 f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ia3} | "
-                f"{lora} |"
+                f"{lora} | {bf16} |"
             )
         lines.append("")
     lines += goals(rows)

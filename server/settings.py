@@ -108,7 +108,8 @@ class ServerSettings(BaseSettings):
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|float16|bfloat16)$",
-        description="Compute dtype: 'auto' (float16 on GPU, float32 on CPU), float32, float16 or bfloat16.",
+        description="Compute dtype: 'auto' (float16 on GPU, float32 on CPU), float32, float16 or bfloat16. On a CPU "
+        "bfloat16 is faster on some CPUs and slower on others (docs/configuration.md): measure before choosing it.",
     )
     slots: int | None = Field(
         None,

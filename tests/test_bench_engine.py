@@ -18,3 +18,4 @@ def test_a_configuration_measures_every_path_and_records_the_lora_targets(tiny_b
     result = measure(paths, texts, batch=4, n_tasks=3, dist="uniform", iters=2, seed=0)
     assert result["lora_targets"] == ["query", "value"]
     assert result["ms_engine_pipelined"] > 0 and all(result[f"ms_{p}"] > 0 for p in PATHS)
+    assert result["ratio_bf16_vs_engine"] > 0  # the CPU in float32: the bfloat16 runner is timed too
