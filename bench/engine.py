@@ -76,7 +76,6 @@ class Paths:
             if self.device.type == "cpu" and self.dtype == torch.float32
             else None
         )
-        self.names = [p for p in PATHS if p != "engine_bf16" or self.bf16_runner is not None]
         self.plain = self.plain_enc.model.to(self.device, self.dtype).eval()
         naive_enc = load_encoder(args.model)
         self.naive = naive_enc.model.to(self.device, self.dtype).eval()
@@ -189,7 +188,8 @@ class Paths:
         self.run_twins("engine_lora", rows)
 
     def fns(self) -> dict[str, Callable[[list[Row]], None]]:
-        return {
+        """Each path this device and dtype runs, in ``PATHS``' order (engine_bf16 only on a CPU in float32)."""
+        fns = {
             "plain": self.run_plain,
             "naive": self.run_naive,
             "engine": self.run_engine,
@@ -197,6 +197,9 @@ class Paths:
             "engine_lora": self.run_engine_lora,
             "engine_bf16": self.run_engine_bf16,
         }
+        if self.bf16_runner is None:
+            del fns["engine_bf16"]
+        return fns
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
         """ATen ops (CPU) or host-side launches (CUDA) of one call (``bench.common.count_ops``)."""
@@ -216,7 +219,7 @@ def measure(
     rng = random.Random(seed)
     tok = paths.encoder.tokenizer
     fns = paths.fns()
-    names = paths.names
+    names = list(fns)
     times: dict[str, list[float]] = {p: [] for p in names}
     batches: list[list[Row]] = []
     for _ in range(iters):
