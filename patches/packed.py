@@ -113,7 +113,7 @@ class PackedBatch:
     max_len: int  # the longest row (flash attention's grid bound)
     pidx: torch.Tensor | None = None  # [N] position of each token in a padded [R * max_len] layout
     key_mask: torch.Tensor | None = None  # [R, 1, 1, max_len] bool, True for real keys
-    groups: AttentionGroups | None = None  # the exact path's rows grouped by length (a trainer's, on the CPU)
+    groups: AttentionGroups | None = None  # the exact path's rows grouped by length (on the CPU)
 
 
 class Heads(NamedTuple):
@@ -424,7 +424,7 @@ class PackedBert:
                 q, k, v, b.cu, b.cu, b.max_len, b.max_len, dropout_p, False, False, scale=1.0 / math.sqrt(d)
             )[0]
             return out.reshape(n, self.hidden)
-        if b.groups is not None:  # a trainer's batch on the CPU: rows grouped by length, dropout ``dropout()``'s
+        if b.groups is not None:  # a batch on the CPU: rows grouped by length, dropout ``dropout()``'s
             return grouped_attention(qkv, b.groups, dropout_p)
         # exact path: pad only the attention, [R, heads, T, d], keys masked per row
         assert b.pidx is not None and b.key_mask is not None

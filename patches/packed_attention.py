@@ -1,4 +1,4 @@
-"""The exact attention of a trainer's packed batch on the CPU, its rows grouped by length.
+"""The exact attention of a packed batch on the CPU (a trainer's or the engine's), its rows grouped by length.
 
 The exact path pads every row of a batch to its longest row, so attention, its softmax and its dropout masks cost
 every row the square of that length: on Rotten Tomatoes' rows (27 tokens on average, up to 78) a batch of 16 rows did

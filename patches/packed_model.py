@@ -44,8 +44,7 @@ from patchserve.patches.format import LORA_A, LORA_B
 from patchserve.patches.lora import LoraSpec, factor_pairs, lora_shapes
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed import POOL_MODES, Heads, PackedBatch, PackedBert
-from patchserve.patches.packed_attention import attention_groups
-from patchserve.patches.packed_layout import add_exact_attention, to_device
+from patchserve.patches.packed_layout import exact_attention, to_device
 from patchserve.patches.packed_lora import LoraFactors, module_factors
 
 log = logging.getLogger(__name__)
@@ -370,10 +369,8 @@ def joint_forward(parts: Sequence[Part]) -> list[torch.Tensor]:
     # on CUDA the encoder runs under autocast with flash attention (pooling and the heads below stay float32, as
     # encode's output is); on the CPU only the frozen weights' products take the half type, attention stays exact
     flash = first.half_dtype is not None and joint.ids.is_cuda
-    if joint.ids.is_cpu:  # exact attention with the rows grouped by length (patches/packed_attention.py)
-        joint.groups = attention_groups(lengths, packed_bert.n_heads)
-    elif not flash:  # exact attention over the rows padded to the longest (a GPU in float32)
-        add_exact_attention(joint, lengths)
+    if not flash:  # exact attention: the rows grouped by length on the CPU, padded to the longest on a GPU
+        exact_attention(joint, lengths, packed_bert.n_heads)
     half = torch.autocast("cuda", dtype=first.half_dtype) if flash else contextlib.nullcontext()
     with half:
         x = packed_bert.encode(

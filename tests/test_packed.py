@@ -11,6 +11,7 @@ import torch
 from patchserve.patches.encoder import load_encoder
 from patchserve.patches.model import TaskModel, pool
 from patchserve.patches.packed import PackedBert, packed_unsupported
+from patchserve.patches.packed_attention import length_groups
 from patchserve.server.engine.packed_backend import PackedBackend
 from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.rows import RowBlock
@@ -72,6 +73,22 @@ def test_each_fold_is_exact_in_a_mixed_batch(tiny_bert_dir, tiny_encoder, task_p
         out = tuned.encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
     want = pool(rows[-1].patch.meta.pooling, out.last_hidden_state, torch.ones_like(ids), out.pooler_output)[0]
     torch.testing.assert_close(got[-1], want, rtol=0, atol=1e-5)
+
+
+def test_rows_of_far_apart_lengths_attend_in_groups_exactly(tiny_bert_dir, tiny_encoder, task_patches):
+    """On the CPU a batch's rows attend grouped by length (each group padded to its own longest row): rows from 3 to
+    64 (the tiny model's positions) in one batch, several groups, each row what the plain model gives it alone."""
+    runner = Runner(load_encoder(str(tiny_bert_dir)), device="cpu", slots=8, engine="packed")
+    texts = [" ".join([SENTENCES[i % len(SENTENCES)]] * (1 + (7 * i) % 11)) for i in range(24)]
+    enc = tiny_encoder.tokenizer(texts, truncation=True, max_length=64)
+    rows = [
+        Row(ids, tt, task_patches[i % len(task_patches)])
+        for i, (ids, tt) in enumerate(zip(enc["input_ids"], enc["token_type_ids"], strict=True))
+    ]
+    lengths = [len(r.input_ids) for r in rows]
+    assert min(lengths) < 10 and max(lengths) == 64 and len(length_groups(lengths)) >= 3
+    for row, out in zip(rows, runner.run(rows), strict=True):
+        torch.testing.assert_close(out, _reference(tiny_encoder.model, row.patch, row), rtol=0, atol=1e-5)
 
 
 def test_all_folds_leave_four_vectors_per_layer(tiny_encoder):

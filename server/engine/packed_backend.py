@@ -12,7 +12,7 @@ from torch import nn
 
 from patchserve.patches.format import Patch
 from patchserve.patches.packed import POOL_MODES, HeadBank, PackedBert
-from patchserve.patches.packed_layout import add_exact_attention, batch_views, fill_layout, layout_size
+from patchserve.patches.packed_layout import batch_views, exact_attention, fill_layout, layout_size
 from patchserve.server.engine.backend import Pending
 from patchserve.server.engine.graphs import GraphSet
 from patchserve.server.engine.rows import RowBlock, RowOutputs, gather_rows
@@ -118,7 +118,7 @@ class PackedBackend:
             fill_layout(flat.numpy(), block, row_slots, modes, n_real, n_rows, self.fill_slot)
             batch = batch_views(flat.to(self.device, non_blocking=True), n_real, n_rows, int(lengths.max()))
             if self.attention == "exact":
-                add_exact_attention(batch, lengths.tolist())
+                exact_attention(batch, lengths.tolist(), self.packed.n_heads)
             hidden = self.packed.encode(batch, self.attention)
             pooled = self.packed.pool(hidden, batch, self.head_bank)
         pooled = pooled[:n_rows]
