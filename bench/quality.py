@@ -141,8 +141,13 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     one run trained, ``restarts_merge`` did nothing and is left out. An option since retired (``RETIRED_OPTIONS``:
     the contrastive stage, distillation) at its "off" value changed nothing and is left out too, as is the
     distillation's temperature without a teacher or at its default (2.0). Runs recorded before LoRA trained none:
-    no rank. Without a rank, LoRA's targets and alpha act on nothing and count as today's defaults."""
+    no rank. Without a rank, LoRA's targets and alpha act on nothing and count as today's defaults. An unset
+    ``dropout`` is what it resolves to there (LoRA's from SMALL_DATA_ROWS rows on, else the encoder's own,
+    ``ENCODER_DROPOUT``); the lora runs recorded before LoRA's own dropout say 0.1 in their records."""
     out = {"scales": "none", "head_init": "random", "precision": "auto", "lora_rank": None} | run_settings
+    if out.get("dropout") is None:
+        resolver = replace(RESOLVER, lora_rank=out["lora_rank"], full=bool(out.get("full")))
+        out["dropout"] = resolver.dropout_for(train_rows) or ENCODER_DROPOUT
     if out["lora_rank"] is None:
         out |= {"lora_targets": RESOLVER.lora_targets, "lora_alpha": RESOLVER.lora_alpha}
     if not out.get("distill") or out.get("distill_temperature") == 2.0:  # without a teacher, or its old default
@@ -185,6 +190,9 @@ def epochs_acted_on_nothing(s: dict[str, Any], train_rows: float) -> bool:
     return s.get("patience") is not None and s["patience"] >= math.ceil(min_steps / planned.eval_every_for(rows))
 
 
+#: the default encoder's own dropout (all-MiniLM-L6-v2: 0.1 on its hidden states and attention), what a run with no
+#: ``dropout`` set trained at
+ENCODER_DROPOUT = 0.1
 RESOLVER = TrainConfig(task="quality")  # resolves an unset restarts / checkpoint exactly as the trainer does
 
 

@@ -90,9 +90,9 @@ def test_runs_recorded_before_lora_stay_current_and_lora_runs_show_their_setting
     run = {"set": "rotten_tomatoes", "mode": "bitfit", "train_rows": 8530, "dev_rows": 1066}
     assert is_current(run | {"settings": then}) and is_current(run | {"settings": today})
     lora = run | {"settings": today | {"lora_rank": 8}}
-    assert not is_current(lora) and differences(lora) == "lora_rank=8"
+    assert not is_current(lora) and differences(lora) == "lora_rank=8, dropout=0.2"  # LoRA's own on a whole set
     wider = run | {"settings": today | {"lora_rank": 8, "lora_targets": ["query", "key", "value"]}}
-    assert differences(wider) == "lora_rank=8, lora_targets=['query', 'key', 'value']"
+    assert differences(wider) == "lora_rank=8, lora_targets=['query', 'key', 'value'], dropout=0.2"
     assert is_current({**run, "mode": "lora", "settings": settings(TrainConfig(task="quality", lora_rank=8))})
     # BitFit runs recorded while LoRA's default targets were query and value: without a rank they act on nothing
     assert is_current(run | {"settings": today | {"lora_targets": ["query", "value"]}})
@@ -100,6 +100,14 @@ def test_runs_recorded_before_lora_stay_current_and_lora_runs_show_their_setting
     # recorded at BitFit's budget too, before LoRA's own 5 epochs
     expected = "lora_targets=['query', 'value'], epochs=10.0, lr=0.003"
     assert not is_current(old_lora) and differences(old_lora) == expected
+    # an unset dropout is what it resolves to for the run's rows: LoRA's own on a whole set, the encoder's on 256
+    # rows; the whole-set lora runs recorded before LoRA's own dropout say 0.1 in their records
+    lora_today = {**run, "mode": "lora", "settings": settings(TrainConfig(task="quality", lora_rank=8))}
+    assert lora_today["settings"]["dropout"] is None and is_current(lora_today)
+    before = {**lora_today, "settings": lora_today["settings"] | {"dropout": 0.1}}
+    assert not is_current(before) and differences(before) == "dropout=0.1"
+    small = {**lora_today, "train_rows": 230, "dev_rows": 26}
+    assert is_current(small) and is_current({**before, "train_rows": 230, "dev_rows": 26})
 
 
 def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_it(tmp_path):

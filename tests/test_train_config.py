@@ -12,7 +12,9 @@ from patchserve.patches.bitfit import BIAS_SUBSETS
 from patchserve.patches.format import KINDS, POOLINGS
 from patchserve.patches.jobs import JobError, JobLimits
 from patchserve.patches.train_config import (
+    LORA_DROPOUT,
     SELECTION_METRICS,
+    SMALL_DATA_ROWS,
     BiasSubset,
     Kind,
     Metric,
@@ -21,6 +23,7 @@ from patchserve.patches.train_config import (
     options,
 )
 from patchserve.trainer.cli import add_training_options, config_from_args
+from patchserve.trainer.selection import plan
 
 
 def test_every_option_is_declared_with_help_and_the_choices_its_owners_know():
@@ -84,9 +87,18 @@ def test_mode_defaults_fill_what_the_config_leaves_open():
     assert (full.lr, full.epochs, full.patience) == (5e-5, 5.0, 6)
     mine = TrainConfig(task="t", lr=1e-3, epochs=2, patience=3).resolved()
     assert (mine.lr, mine.epochs, mine.patience) == (1e-3, 2, 3)
-    lora = TrainConfig(task="t", lora_rank=8).resolved()  # BitFit's budget at LoRA's rate, on every linear layer
+    lora = TrainConfig(task="t", lora_rank=8).resolved()  # half BitFit's epochs at LoRA's rate, on every linear layer
     assert (lora.lr, lora.epochs, lora.patience) == (1e-3, 5.0, 40) and len(lora.lora_targets) == 6
     assert TrainConfig(task="t", lora_rank=8, lr=3e-3).resolved().lr == 3e-3
+
+
+def test_lora_trains_at_twice_the_encoders_dropout_from_a_thousand_rows():
+    lora, bitfit = TrainConfig(task="t", lora_rank=8), TrainConfig(task="t")
+    assert lora.dropout_for(SMALL_DATA_ROWS) == LORA_DROPOUT == 0.2 and lora.dropout_for(SMALL_DATA_ROWS - 1) is None
+    assert bitfit.dropout_for(10_000) is None and TrainConfig(task="t", full=True).dropout_for(10_000) is None
+    assert TrainConfig(task="t", lora_rank=8, dropout=0.0).dropout_for(10_000) == 0.0  # as set
+    assert plan(lora, "classification", 5000, 500).config.dropout == 0.2
+    assert plan(lora, "classification", 256, 26).config.dropout is None  # the encoder's own
 
 
 def test_bad_configs_are_refused():

@@ -54,7 +54,12 @@ def plan(config: TrainConfig, kind: str, train_rows: int, dev_rows: int) -> Plan
     )
     head_init, head_init_why = config.head_init_why(kind, train_rows)
     resolved = replace(
-        config.resolved(), restarts=restarts, checkpoint=checkpoint, restarts_merge=merge, head_init=head_init
+        config.resolved(),
+        restarts=restarts,
+        checkpoint=checkpoint,
+        restarts_merge=merge,
+        head_init=head_init,
+        dropout=config.dropout_for(train_rows),
     )
     return Plan(resolved, restarts_why, checkpoint_why, head_init_why)
 
