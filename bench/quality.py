@@ -145,8 +145,8 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     ``dropout`` is what it resolves to there (LoRA's from SMALL_DATA_ROWS rows on, else the encoder's own,
     ``ENCODER_DROPOUT``); the lora runs recorded before LoRA's own dropout say 0.1 in their records."""
     out = {"scales": "none", "head_init": "random", "precision": "auto", "lora_rank": None} | run_settings
+    resolver = replace(RESOLVER, lora_rank=out["lora_rank"], full=bool(out.get("full")))  # the run's mode
     if out.get("dropout") is None:
-        resolver = replace(RESOLVER, lora_rank=out["lora_rank"], full=bool(out.get("full")))
         out["dropout"] = resolver.dropout_for(train_rows) or ENCODER_DROPOUT
     if out["lora_rank"] is None:
         out |= {"lora_targets": RESOLVER.lora_targets, "lora_alpha": RESOLVER.lora_alpha}
@@ -168,7 +168,6 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     elif out["checkpoint"] is None:
         out["checkpoint"] = RESOLVER.checkpoint_for(dev_rows)  # type: ignore[arg-type]
     if out["head_init"] is None:
-        resolver = replace(RESOLVER, full=bool(out.get("full")))
         out["head_init"] = resolver.head_init_for(out.get("kind") or kind, train_rows)  # type: ignore[arg-type]
     if out.get("metric") is None:
         out.pop("metric", None)
