@@ -120,6 +120,22 @@ def count_ops(fn: Callable[[], object], device: Any) -> int:
     return sum(1 for n in names if n.startswith("aten::"))
 
 
+#: the instruction sets that decide a CPU run's arithmetic (the trainer's bfloat16 products) and speed
+CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_name() -> str:
+    """This CPU as /proc/cpuinfo names it, with the instruction sets of ``CPU_FLAGS`` it has ("AMD EPYC (avx512f,
+    avx512_bf16)"): machines of one name here differ in them, and with them in a run's arithmetic."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    have = [f for f in CPU_FLAGS if f in flags]
+    name = name or platform.processor() or platform.machine()
+    return f"{name} ({', '.join(have)})" if have else name
+
+
 def machine() -> dict[str, Any]:
     """Where and with what a benchmark ran: recorded with every result line."""
     import torch

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench.baselines import BASELINES, logreg
-from bench.common import pyplot
+from bench.common import cpu_name, pyplot
 from patchserve.patches import packed_model
 from patchserve.patches.data import DataFile, Dataset, Splits, load_splits
 from patchserve.patches.encoder import Encoder, load_encoder, resolve_device
@@ -266,7 +266,9 @@ def paired_lines(
     the same settings without it (today's defaults, or the defaults with another change) ran with the same seeds
     (the same draws, on small data) on the same machine: the candidate's gain on each, paired, so what the seed
     decides cancels out. ``groups`` are keyed ``(*cell, differences, machine)``; ``name(*cell)`` names the cell;
-    ``scores`` are (shown name, run field) pairs; ``unit`` is what a seed is ("seed", "draw")."""
+    ``scores`` are (shown name, run field) pairs; ``unit`` is what a seed is ("seed", "draw"). A CPU run pairs only
+    with one on the same CPU (``cpu``, recorded since 2026-12-03; runs recorded before pair among themselves): one
+    machine group holds several CPUs, and a seed's score moves between them."""
     lines = []
     for key, grp in sorted(groups.items()):
         *cell, diff, device = key
@@ -276,8 +278,12 @@ def paired_lines(
             without = groups.get((*cell, base, device), [])
             if not candidate.startswith(PAIRED_CANDIDATES) or not without:
                 continue
-            by_seed = {r["seed"]: r for r in without}
-            paired = [(r, by_seed[r["seed"]]) for r in sorted(grp, key=lambda r: r["seed"]) if r["seed"] in by_seed]
+            by_seed = {(r["seed"], r.get("cpu")): r for r in without}
+            paired = [
+                (r, by_seed[r["seed"], r.get("cpu")])
+                for r in sorted(grp, key=lambda r: r["seed"])
+                if (r["seed"], r.get("cpu")) in by_seed
+            ]
             shown = []
             for shown_name, field in scores:
                 gains = [100 * (r[field] - b[field]) for r, b in paired if field in r and field in b]
@@ -384,8 +390,10 @@ def record_run(
     rec["device"] = device.type
     if device.type == "cuda":
         rec["device_name"] = torch.cuda.get_device_name(device)
-    elif device.type == "cpu" and packed_model.cpu_bfloat16_is_faster():  # a machine apart: bfloat16 products
-        rec["device_name"] = CPU_BFLOAT16
+    elif device.type == "cpu":
+        rec["cpu"] = cpu_name()  # what pairs a candidate's runs with the defaults' (paired_lines)
+        if packed_model.cpu_bfloat16_is_faster():  # a machine apart: bfloat16 products
+            rec["device_name"] = CPU_BFLOAT16
     if note:
         rec["note"] = note
     with runs_file.open("a") as f:

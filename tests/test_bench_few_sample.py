@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.baselines import BASELINES
+from bench.common import cpu_name
 from bench.few_sample import QUICK_MIN_STEPS, quick_figures, render, sample, write_plot, write_table
 from bench.quality import already_run, changes, default_settings, differences, is_current, record_run
 from patchserve.patches import packed_model
@@ -122,6 +123,7 @@ def test_a_recorded_run_is_found_again_only_with_its_settings_device_and_fields(
     record_run({"set": "trec", "rows": 256, "seed": 0, "settings": today}, cpu, "shared", runs_file, seen.append)
     rec = json.loads(runs_file.read_text())
     assert rec["device"] == "cpu" and rec["note"] == "shared" and "device_name" not in rec
+    assert rec["cpu"] == cpu_name() and rec["cpu"]  # the CPU it ran on: what pairs it with other runs
     assert seen == [[rec]] and json.loads(capsys.readouterr().out) == rec
     assert already_run(runs_file, today, small, cpu, set="trec", rows=256, seed=0)
     assert not already_run(runs_file, today, small, cpu, set="trec", rows=64, seed=0)

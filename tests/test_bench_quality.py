@@ -123,6 +123,12 @@ def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_
         ),
         # another machine's runs of the same candidate pair with that machine's alone (here: none)
         base | {"seed": 0, "test": 0.5, "dev": 0.5, "device": "cuda", "settings": today | {"head_init": "labels"}},
+        # a CPU named in the runs pairs with its own runs only: seed 1 on "B" has no run without the candidate on "B"
+        *(base | {"seed": s, "test": t, "dev": d, "cpu": "B", "settings": today} for s, t, d in ((0, 0.9, 0.9),)),
+        *(
+            base | {"seed": s, "test": t, "dev": d, "cpu": "B", "settings": today | {"head_init": "labels"}}
+            for s, t, d in ((0, 0.93, 0.92), (1, 0.1, 0.1))
+        ),
         # not a paired candidate: shown in the table, never paired
         base | {"seed": 0, "test": 0.9, "dev": 0.9, "settings": today | {"batch_size": 32}},
     ]
@@ -131,7 +137,7 @@ def test_a_candidate_is_paired_seed_by_seed_with_the_same_machines_runs_without_
     lines = [line for line in path.read_text().splitlines() if line.startswith("- trec")]
     assert lines == [
         "- trec, bitfit (cpu): head_init=labels against today's defaults, same seeds: "
-        "dev +0.5 (per seed: +1.0, +0.0); test +0.0 (per seed: +1.0, -1.0)"
+        "dev +1.0 (per seed: +1.0, +2.0, +0.0); test +1.0 (per seed: +1.0, +3.0, -1.0)"
     ]
 
 
@@ -232,13 +238,14 @@ def test_quick_figures_name_the_scores_minutes_and_machine():
 
 def test_epochs_that_min_steps_overrode_do_not_set_a_small_data_run_apart():
     """At 256 rows min_steps (600) sets every run's length, and with its last checkpoint kept and patience outlasting
-    every evaluation, epochs decided nothing: a lora draw recorded at BitFit's 10 epochs trained as one at LoRA's 5
-    does. Where epochs did act -- a whole set, the best checkpoint chosen among evaluations they spaced, or an early
-    stop they could trigger -- the run keeps its difference."""
+    every evaluation, epochs decided nothing: a lora draw recorded at BitFit's 10 epochs (or LoRA's 5 of before
+    2026-12-03) trained as one at LoRA's 8 does. Where epochs did act -- a whole set, the best checkpoint chosen
+    among evaluations they spaced, or an early stop they could trigger -- the run keeps its difference."""
     lora = settings(TrainConfig(task="quality", lora_rank=8))
-    assert lora["epochs"] == 5.0 and lora["min_steps"] == 600
+    assert lora["epochs"] == 8.0 and lora["min_steps"] == 600
     draw = {"set": "trec", "rows": 256, "mode": "lora", "seed": 3}
     assert is_current(draw | {"settings": lora}) and is_current(draw | {"settings": lora | {"epochs": 10.0}})
+    assert is_current(draw | {"settings": lora | {"epochs": 5.0}})
     best = draw | {"settings": lora | {"epochs": 10.0, "checkpoint": "best"}}
     assert differences(best) == "epochs=10.0, checkpoint=best"
     impatient = draw | {"settings": lora | {"epochs": 10.0, "patience": 6}}

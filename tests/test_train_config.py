@@ -87,8 +87,8 @@ def test_mode_defaults_fill_what_the_config_leaves_open():
     assert (full.lr, full.epochs, full.patience) == (5e-5, 5.0, 6)
     mine = TrainConfig(task="t", lr=1e-3, epochs=2, patience=3).resolved()
     assert (mine.lr, mine.epochs, mine.patience) == (1e-3, 2, 3)
-    lora = TrainConfig(task="t", lora_rank=8).resolved()  # half BitFit's epochs at LoRA's rate, on every linear layer
-    assert (lora.lr, lora.epochs, lora.patience) == (1e-3, 5.0, 40) and len(lora.lora_targets) == 6
+    lora = TrainConfig(task="t", lora_rank=8).resolved()  # fewer epochs than BitFit at LoRA's rate, every linear layer
+    assert (lora.lr, lora.epochs, lora.patience) == (1e-3, 8.0, 40) and len(lora.lora_targets) == 6
     assert TrainConfig(task="t", lora_rank=8, lr=3e-3).resolved().lr == 3e-3
 
 
