@@ -128,9 +128,9 @@ def cpu_name() -> str:
     """This CPU as /proc/cpuinfo names it, with the instruction sets of ``CPU_FLAGS`` it has ("AMD EPYC (avx512f,
     avx512_bf16)"): machines of one name here differ in them, and with them in a run's arithmetic."""
     info = Path("/proc/cpuinfo")
-    text = info.read_text() if info.exists() else ""
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    lines = info.read_text().splitlines() if info.exists() else []
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     have = [f for f in CPU_FLAGS if f in flags]
     name = name or platform.processor() or platform.machine()
     return f"{name} ({', '.join(have)})" if have else name

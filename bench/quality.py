@@ -278,12 +278,9 @@ def paired_lines(
             without = groups.get((*cell, base, device), [])
             if not candidate.startswith(PAIRED_CANDIDATES) or not without:
                 continue
-            by_seed = {(r["seed"], r.get("cpu")): r for r in without}
-            paired = [
-                (r, by_seed[r["seed"], r.get("cpu")])
-                for r in sorted(grp, key=lambda r: r["seed"])
-                if (r["seed"], r.get("cpu")) in by_seed
-            ]
+            by_seed = {_seed_on_cpu(r): r for r in without}
+            ordered = sorted(grp, key=lambda r: r["seed"])
+            paired = [(r, by_seed[_seed_on_cpu(r)]) for r in ordered if _seed_on_cpu(r) in by_seed]
             shown = []
             for shown_name, field in scores:
                 gains = [100 * (r[field] - b[field]) for r, b in paired if field in r and field in b]
@@ -294,6 +291,11 @@ def paired_lines(
                 head = f"- {name(*cell)} ({device}): {candidate} against {base}, same {unit}s"
                 lines.append(f"{head}: {'; '.join(shown)}")
     return ["", *lines] if lines else []
+
+
+def _seed_on_cpu(run: dict) -> tuple[int, str | None]:
+    """What pairs two runs of one machine group (``paired_lines``): their seed (draw), and the CPU where recorded."""
+    return run["seed"], run.get("cpu")
 
 
 def differences(run: dict) -> str:
