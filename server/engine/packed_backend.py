@@ -144,7 +144,9 @@ class PackedBackend:
 
     def finish(self, pending: Pending) -> RowOutputs:
         """Each row's output from the batch's flat host copy, in one gather: its pooled vector (an embedding, or a
-        row without a patch), its per-token logits (tagging) or its head's logits."""
+        row without a patch), its per-token logits (tagging) or its head's logits. A batch without tagging rows (the
+        common case) takes a boolean mask over its ``[rows, width]`` block instead: a third fewer array operations,
+        each of which costs several microseconds just after a forward has evicted the host's caches."""
         if pending.done is not None:
             pending.done.synchronize()
         block, host, width, h, tags = pending.block, pending.host, pending.width, self.packed.hidden, pending.tags
@@ -153,10 +155,15 @@ class PackedBackend:
         assert pending.row_slots is not None
         n_out = self.slot_width[pending.row_slots]
         pooled = block.embed | (block.keys < 0)
+        line = np.where(pooled, h, n_out)
+        if not tags.any():  # one line a row, in its own row of the block
+            first = np.where(pooled, 0, h)[:, None]
+            cols = np.arange(width)
+            keep = (cols >= first) & (cols < first + line[:, None])
+            return RowOutputs(host.numpy().reshape(n_rows, width)[keep], line)
         row = np.arange(n_rows, dtype=np.int64)
         base = row * width + np.where(pooled, 0, h)
         n_lines = np.where(tags, block.lengths, 1)
-        line = np.where(pooled, h, n_out)
         tag_width = width - h
         tag_tokens = np.where(tags, block.lengths, 0)
         tag_first = n_rows * width + (np.cumsum(tag_tokens) - tag_tokens) * tag_width

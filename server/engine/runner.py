@@ -181,8 +181,7 @@ class Runner:
             self.slots.release(ids)
             raise
 
-    @torch.inference_mode()
-    def finish(self, pending: Pending) -> RowOutputs:
+    def finish(self, pending: Pending) -> RowOutputs:  # host arrays only: no torch mode to enter
         try:
             return self.backend.finish(pending)
         finally:
