@@ -355,6 +355,40 @@ def test_batcher_serves_a_deep_queue_once_each_oldest_first(tiny_bert_dir, tiny_
             torch.testing.assert_close(torch.from_numpy(g), w, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("turn_s", [0.0, 1e9])
+def test_an_inline_batcher_runs_full_batches_back_to_back_then_lets_the_loop_in(
+    tiny_bert_dir, tiny_encoder, monkeypatch, turn_s
+):
+    """Inline (the engine process on a CPU), while a full batch is still queued, batches run back to back until
+    INLINE_TURN_S has passed since the loop was last let in; once less than a full batch is queued, the loop is let
+    in after every batch (here: 40 rows, batches of 4)."""
+    import asyncio
+
+    from patchserve.server.engine import batcher as batching
+
+    monkeypatch.setattr(batching, "INLINE_TURN_S", turn_s)
+    runner, batches = _spy_runner(tiny_bert_dir, slots=2)
+    rows = _rows(tiny_encoder, make_patch(tiny_encoder, "a", seed=1), [SENTENCES[i % 5] for i in range(40)])
+
+    async def scenario():
+        batcher = batching.Batcher(runner, max_rows=4, inline=True)
+        job = batcher.submit(_block(rows))
+        batcher.start()
+        seen = []  # batches launched by each time the loop let this coroutine in
+        while not job.future.done():
+            await asyncio.sleep(0)
+            seen.append(len(batches))
+        await batcher.stop()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert len(batches) == 10
+    if turn_s == 0.0:
+        assert seen == list(range(1, 11)), "the loop was not let in after every batch"
+    else:
+        assert seen[0] == 10, "the loop was let in while a full batch was still queued and the turn had not passed"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_default_minilm_mixed_batch_on_cuda(minilm, dtype):

@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 READY_POLL_S = 0.00025  # how often a batch waiting behind a running one asks whether the device is free
+# Inline (the engine process on a CPU), while a full batch is still queued: batches run back to back, and the loop is
+# let in (messages, cancellations, signals) once this long has passed since it last was. Rows that arrive meanwhile
+# could not have run sooner (batches take the oldest rows first), and taking in several messages at once keeps the
+# host's caches warm for the forward (bench/engine_process.py; docs/experiments.md).
+INLINE_TURN_S = 0.05
 
 
 class OverloadedError(RuntimeError):
@@ -124,6 +129,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._executor = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchserve-runner")
         self._task: asyncio.Task[None] | None = None
+        self._turn_start = 0.0  # inline: when the loop was last let in
 
     @property
     def queued_rows(self) -> int:
@@ -297,13 +303,21 @@ class Batcher:
                         continue
             if inflight:
                 await self._finish(*inflight.popleft())
+                await self._let_in()
 
     async def _call(self, fn: Callable[[T], R], arg: T) -> R:
         if self._executor is None:
-            result = fn(arg)
-            await asyncio.sleep(0)  # let the loop take in what arrived meanwhile
-            return result
+            return fn(arg)  # the loop is let in once the batch is answered (_let_in)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, arg)
+
+    async def _let_in(self) -> None:
+        """Inline, after a batch was answered: let the loop take in what arrived meanwhile -- at once when less than
+        a full batch is left queued, else once INLINE_TURN_S has passed since it was last let in."""
+        if self._executor is not None:
+            return  # the runner's thread was awaited: the loop was free all along
+        if self._queued < self.max_rows or time.perf_counter() - self._turn_start >= INLINE_TURN_S:
+            await asyncio.sleep(0)
+            self._turn_start = time.perf_counter()
 
     def _fail(self, batch: list[Part], exc: BaseException) -> None:
         for job, _ in batch:
