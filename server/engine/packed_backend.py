@@ -145,8 +145,8 @@ class PackedBackend:
     def finish(self, pending: Pending) -> RowOutputs:
         """Each row's output from the batch's flat host copy, in one gather: its pooled vector (an embedding, or a
         row without a patch), its per-token logits (tagging) or its head's logits. A batch without tagging rows (the
-        common case) takes a boolean mask over its ``[rows, width]`` block instead: a third fewer array operations,
-        each of which costs several microseconds just after a forward has evicted the host's caches."""
+        common case) takes a boolean mask over its ``[rows, width]`` block instead: about a third of the array
+        operations, each of which costs several microseconds just after a forward has evicted the host's caches."""
         if pending.done is not None:
             pending.done.synchronize()
         block, host, width, h, tags = pending.block, pending.host, pending.width, self.packed.hidden, pending.tags
@@ -156,13 +156,13 @@ class PackedBackend:
         n_out = self.slot_width[pending.row_slots]
         pooled = block.embed | (block.keys < 0)
         line = np.where(pooled, h, n_out)
+        first = np.where(pooled, 0, h)  # where a row's line starts in its row of the block
         if not tags.any():  # one line a row, in its own row of the block
-            first = np.where(pooled, 0, h)[:, None]
             cols = np.arange(width)
-            keep = (cols >= first) & (cols < first + line[:, None])
+            keep = (cols >= first[:, None]) & (cols < (first + line)[:, None])
             return RowOutputs(host.numpy().reshape(n_rows, width)[keep], line)
         row = np.arange(n_rows, dtype=np.int64)
-        base = row * width + np.where(pooled, 0, h)
+        base = row * width + first
         n_lines = np.where(tags, block.lengths, 1)
         tag_width = width - h
         tag_tokens = np.where(tags, block.lengths, 0)
