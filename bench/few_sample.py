@@ -193,8 +193,9 @@ GAP_NOTE = (
     "and 72.2 ± 3.1 on test; with C picked on the set's dev itself, an optimistic bound, 74.9: level. More rounds "
     "did not help: Rotten Tomatoes draw 0 scored 74.0 at 32 rounds against 75.0 at 8, and TREC draw 0 85.2, 86.8 "
     "and 85.0 at 8, 32 and 96 rounds against the defaults' 86.4. The pair objective pays with the whole body to "
-    "tune, not with its biases. A head started from the label names did pay a little (the note on label-name "
-    "heads above)."
+    "tune, not with its biases, nor with LoRA's factors on every linear layer (2026-12-04, docs/experiments.md: the "
+    "stage before the runs lowered Rotten Tomatoes' test on 3 draws of 3). A head started from the label names did "
+    "pay a little (the note on label-name heads above)."
 )
 
 HEAD_INIT_NOTE = (
