@@ -143,11 +143,15 @@ def as_trained(run_settings: dict[str, Any], train_rows: float, dev_rows: float,
     distillation's temperature without a teacher or at its default (2.0). Runs recorded before LoRA trained none:
     no rank. Without a rank, LoRA's targets and alpha act on nothing and count as today's defaults. An unset
     ``dropout`` is what it resolves to there (LoRA's from SMALL_DATA_ROWS rows on, else the encoder's own,
-    ``ENCODER_DROPOUT``); the lora runs recorded before LoRA's own dropout say 0.1 in their records."""
+    ``ENCODER_DROPOUT``); the lora runs recorded before LoRA's own dropout say 0.1 in their records. An unset
+    ``min_steps`` is what it resolves to there (900 for LoRA on small data, else 600); runs recorded before it
+    resolved by the data say 600 in their records."""
     out = {"scales": "none", "head_init": "random", "precision": "auto", "lora_rank": None} | run_settings
     resolver = replace(RESOLVER, lora_rank=out["lora_rank"], full=bool(out.get("full")))  # the run's mode
     if out.get("dropout") is None:
         out["dropout"] = resolver.dropout_for(train_rows) or ENCODER_DROPOUT
+    if out.get("min_steps") is None:
+        out["min_steps"] = resolver.min_steps_for(train_rows)
     if out["lora_rank"] is None:
         out |= {"lora_targets": RESOLVER.lora_targets, "lora_alpha": RESOLVER.lora_alpha}
     if not out.get("distill") or out.get("distill_temperature") == 2.0:  # without a teacher, or its old default

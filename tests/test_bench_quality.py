@@ -237,21 +237,36 @@ def test_quick_figures_name_the_scores_minutes_and_machine():
 
 
 def test_epochs_that_min_steps_overrode_do_not_set_a_small_data_run_apart():
-    """At 256 rows min_steps (600) sets every run's length, and with its last checkpoint kept and patience outlasting
-    every evaluation, epochs decided nothing: a lora draw recorded at BitFit's 10 epochs (or LoRA's 5 of before
-    2026-12-03) trained as one at LoRA's 8 does. Where epochs did act -- a whole set, the best checkpoint chosen
-    among evaluations they spaced, or an early stop they could trigger -- the run keeps its difference."""
+    """At 256 rows min_steps (900 for LoRA) sets every run's length, and with its last checkpoint kept and patience
+    outlasting every evaluation, epochs decided nothing: a lora draw recorded at LoRA's 5 epochs of before 2026-12-03
+    trained as one at LoRA's 8 does. Where epochs did act -- a whole set, the best checkpoint chosen among evaluations
+    they spaced, or an early stop they could trigger -- the run keeps its difference."""
     lora = settings(TrainConfig(task="quality", lora_rank=8))
-    assert lora["epochs"] == 8.0 and lora["min_steps"] == 600
+    assert lora["epochs"] == 8.0 and lora["min_steps"] is None  # resolved by the rows: 900 on 256, 600 on a whole set
     draw = {"set": "trec", "rows": 256, "mode": "lora", "seed": 3}
-    assert is_current(draw | {"settings": lora}) and is_current(draw | {"settings": lora | {"epochs": 10.0}})
+    assert is_current(draw | {"settings": lora}) and is_current(draw | {"settings": lora | {"min_steps": 900}})
     assert is_current(draw | {"settings": lora | {"epochs": 5.0}})
-    best = draw | {"settings": lora | {"epochs": 10.0, "checkpoint": "best"}}
-    assert differences(best) == "epochs=10.0, checkpoint=best"
-    impatient = draw | {"settings": lora | {"epochs": 10.0, "patience": 6}}
-    assert differences(impatient) == "epochs=10.0, patience=6"
+    # 10 epochs of 900 updates evaluate 41 times, once more than the patience: an early stop they could trigger
+    assert differences(draw | {"settings": lora | {"epochs": 10.0}}) == "epochs=10.0"
+    best = draw | {"settings": lora | {"epochs": 5.0, "checkpoint": "best"}}
+    assert differences(best) == "epochs=5.0, checkpoint=best"
+    impatient = draw | {"settings": lora | {"epochs": 5.0, "patience": 6}}
+    assert differences(impatient) == "epochs=5.0, patience=6"
     whole = {"set": "trec", "mode": "lora", "train_rows": 4952, "dev_rows": 500, "settings": lora | {"epochs": 10.0}}
     assert not is_current(whole) and differences(whole) == "epochs=10.0"
+
+
+def test_a_lora_draw_recorded_at_600_updates_is_set_apart_on_small_data_only():
+    """Runs recorded before min_steps resolved by the data say 600 in their records: a lora draw at 256 rows trains
+    900 today, a lora run on a whole set and every BitFit run still 600."""
+    lora, bitfit = settings(TrainConfig(task="quality", lora_rank=8)), settings(TrainConfig(task="quality"))
+    draw = {"set": "rotten_tomatoes", "rows": 256, "mode": "lora", "seed": 0}
+    assert differences(draw | {"settings": lora | {"min_steps": 600}}) == "min_steps=600"
+    assert differences(draw | {"settings": lora | {"min_steps": 600, "epochs": 5.0}}) == "min_steps=600"
+    whole = {"set": "rotten_tomatoes", "mode": "lora", "train_rows": 8530, "dev_rows": 1066}
+    assert is_current(whole | {"settings": lora | {"min_steps": 600}}) and is_current(whole | {"settings": lora})
+    assert is_current(draw | {"mode": "bitfit", "settings": bitfit | {"min_steps": 600}})
+    assert differences(draw | {"mode": "bitfit", "settings": bitfit | {"min_steps": 900}}) == "min_steps=900"
 
 
 def test_a_run_counts_as_already_run_only_in_the_arithmetic_it_would_train_in_here(tmp_path, monkeypatch):

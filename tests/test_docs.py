@@ -26,7 +26,7 @@ def test_the_reference_tables_show_every_option_and_setting_as_declared():
     training = hooks.training_options()
     for o in options():
         assert f"| `{o.flag}` | `{o.name}` |" in training and hooks._cell(o.help) in training, o.name
-    assert "| `--min-steps` | `min_steps` | integer (>= 1, <= 10000000) | `600` |" in training
+    assert "| `--min-steps` | `min_steps` | integer (>= 1, <= 10000000) | unset |" in training
     settings = hooks.server_settings()
     for name, field in ServerSettings.model_fields.items():
         assert f"`PATCHSERVE_{name.upper()}`" in settings and hooks._cell(field.description) in settings, name

@@ -13,6 +13,8 @@ from patchserve.patches.format import KINDS, POOLINGS
 from patchserve.patches.jobs import JobError, JobLimits
 from patchserve.patches.train_config import (
     LORA_DROPOUT,
+    LORA_SMALL_DATA_MIN_STEPS,
+    MIN_STEPS,
     SELECTION_METRICS,
     SMALL_DATA_ROWS,
     BiasSubset,
@@ -41,7 +43,7 @@ def test_every_option_is_declared_with_help_and_the_choices_its_owners_know():
         float,
     )
     assert by_name["scales"].choices == ("none", "ia3") and by_name["full"].kind is bool
-    assert by_name["min_steps"].schema["maximum"] == 10_000_000  # the bounds the docs' table shows
+    assert by_name["min_steps"].schema["anyOf"][0]["maximum"] == 10_000_000  # the bounds the docs' table shows
 
 
 def _parse(*argv: str) -> dict:
@@ -99,6 +101,20 @@ def test_lora_trains_at_twice_the_encoders_dropout_from_a_thousand_rows():
     assert TrainConfig(task="t", lora_rank=8, dropout=0.0).dropout_for(10_000) == 0.0  # as set
     assert plan(lora, "classification", 5000, 500).config.dropout == 0.2
     assert plan(lora, "classification", 256, 26).config.dropout is None  # the encoder's own
+
+
+def test_lora_trains_longer_on_small_data_and_every_run_counts_it():
+    lora, bitfit = TrainConfig(task="t", lora_rank=8), TrainConfig(task="t")
+    assert (LORA_SMALL_DATA_MIN_STEPS, MIN_STEPS) == (900, 600)
+    assert lora.min_steps_for(SMALL_DATA_ROWS - 1) == 900 and lora.min_steps_for(SMALL_DATA_ROWS) == 600
+    assert bitfit.min_steps_for(230) == 600 and TrainConfig(task="t", full=True).min_steps_for(230) == 600
+    assert TrainConfig(task="t", lora_rank=8, min_steps=300).min_steps_for(230) == 300  # as set
+    assert lora.planned_steps(230) == 900 and bitfit.planned_steps(230) == 600 and lora.planned_steps(1000) == 600
+    assert lora.eval_every_for(230) == 28  # 4 evaluations per stretched epoch: 900 updates / 8 epochs / 4
+    small, whole = plan(lora, "classification", 230, 26).config, plan(lora, "classification", 5000, 500).config
+    assert (small.min_steps, small.planned_steps(230), whole.min_steps) == (900, 900, 600)
+    with pytest.raises(JobError, match=r"2700 updates \(3 run\(s\) x 900\), over"):  # the cap counts the 900
+        JobLimits(max_updates=2000).check(lora, 230)
 
 
 def test_bad_configs_are_refused():

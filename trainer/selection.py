@@ -60,6 +60,7 @@ def plan(config: TrainConfig, kind: str, train_rows: int, dev_rows: int) -> Plan
         restarts_merge=merge,
         head_init=head_init,
         dropout=config.dropout_for(train_rows),
+        min_steps=config.min_steps_for(train_rows),
     )
     return Plan(resolved, restarts_why, checkpoint_why, head_init_why)
 
