@@ -267,15 +267,14 @@ class TrainConfig:
         a lora patch on at least SMALL_DATA_ROWS rows, else None (the encoder's own)."""
         if self.dropout is not None:
             return self.dropout
-        return LORA_DROPOUT if self.lora_rank and not self.full and train_rows >= SMALL_DATA_ROWS else None
+        return LORA_DROPOUT if self.lora_rank and train_rows >= SMALL_DATA_ROWS else None
 
     def min_steps_for(self, train_rows: float) -> int:
         """The fewest updates a run on ``train_rows`` rows makes: ``min_steps``, or when unset
         LORA_SMALL_DATA_MIN_STEPS for a lora patch under SMALL_DATA_ROWS rows, else MIN_STEPS."""
         if self.min_steps is not None:
             return self.min_steps
-        small_lora = self.lora_rank and not self.full and train_rows < SMALL_DATA_ROWS
-        return LORA_SMALL_DATA_MIN_STEPS if small_lora else MIN_STEPS
+        return LORA_SMALL_DATA_MIN_STEPS if self.lora_rank and train_rows < SMALL_DATA_ROWS else MIN_STEPS
 
     def head_init_for(self, kind: str, train_rows: int) -> Literal["random", "labels"]:
         """Where the heads of a task of ``kind`` on ``train_rows`` rows start (``head_init_why``)."""
