@@ -40,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 
 from bench.common import DATA, OUT, append_run, latest_run, pyplot, sentences
 from patchserve.patches.encoder import load_tokenizer
+from patchserve.server.cli import serial_tokenizers
 from patchserve.server.inference import INLINE_TOKENIZE_CHARS
 from patchserve.server.predict import encode
 
@@ -132,6 +133,7 @@ def main() -> None:
         render(args.out)
         return
     rounds, calls = (3, 200) if args.quick else (args.repeats, 1000)
+    serial_tokenizers()  # as `patchserve serve` tokenizes: on the calling thread, all of it counted by thread_time
     tokenizer = load_tokenizer(args.model)
     texts = sentences(args.data, 0)
     hops: list[tuple[float, float]] = []

@@ -246,6 +246,9 @@ async def _service(
 def app_factory() -> Any:
     """For ``uvicorn --factory server.app:app_factory``: settings from PATCHSERVE_* env vars, the engine in this
     process."""
+    from patchserve.server.cli import serial_tokenizers
+
+    serial_tokenizers()
     return create_app(ServerSettings())
 
 

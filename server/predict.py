@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,17 +79,52 @@ def encode(
         return [
             _encode_words(tokenizer, patch, text, max_len, was_cut) for text, was_cut in zip(texts, cut, strict=True)
         ]
+    backend = truncating_backend(tokenizer, max_len)
+    if backend is not None:  # a fast tokenizer: its Rust core in one call, which records what truncation removed
+        encodings = backend.encode_batch(texts if pairs is None else list(zip(texts, pairs, strict=True)))
+        uses_types = "token_type_ids" in tokenizer.model_input_names
+        return [
+            Encoded(
+                Row(e.ids, e.type_ids if uses_types else [0] * len(e.ids), patch, output),
+                truncated=was_cut or bool(e.overflowing),
+            )
+            for e, was_cut in zip(encodings, cut, strict=True)
+        ]
+    # a slow tokenizer does not record what truncation removed: count the whole (character-capped, so bounded) inputs
     enc = tokenizer(texts, pairs, truncation=True, max_length=max_len, verbose=False)
-    if enc.encodings is not None:  # a fast tokenizer records what truncation removed
-        lost = [bool(e.overflowing) for e in enc.encodings]
-    else:  # a slow one does not: count the whole (character-capped, so bounded) inputs
-        full = tokenizer(texts, pairs, truncation=False, verbose=False)["input_ids"]
-        lost = [len(ids) > max_len for ids in full]
+    full = tokenizer(texts, pairs, truncation=False, verbose=False)["input_ids"]
     out = []
     for i, ids in enumerate(enc["input_ids"]):
         types = enc["token_type_ids"][i] if "token_type_ids" in enc else [0] * len(ids)
-        out.append(Encoded(Row(list(ids), list(types), patch, output), truncated=cut[i] or lost[i]))
+        out.append(Encoded(Row(list(ids), list(types), patch, output), truncated=cut[i] or len(full[i]) > max_len))
     return out
+
+
+# a fast tokenizer's Rust core, copied once per truncation length (a task's max_seq_length), so that a request calls
+# it directly: the Hugging Face wrapper around it costs about as much again as the tokenizing of a short text, and it
+# sets the shared core's truncation on every call
+_TRUNCATING: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+_MAX_LENGTHS = 16  # distinct truncation lengths kept per tokenizer (tasks rarely use more than one or two)
+
+
+def truncating_backend(tokenizer: Any, max_len: int) -> Any | None:
+    """The Rust tokenizer behind ``tokenizer`` (None for a slow one) set to truncate as ``tokenizer(...,
+    truncation=True, max_length=max_len)`` does (longest first, on the tokenizer's truncation side) and not to pad:
+    ``encode_batch`` then gives the same ids and token types. A copy of its own, never changed once made, so threads
+    may share it."""
+    core = getattr(tokenizer, "backend_tokenizer", None)
+    if core is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    by_len = _TRUNCATING.setdefault(tokenizer, {})
+    backend = by_len.get(max_len)
+    if backend is None:
+        backend = type(core).from_str(core.to_str())
+        backend.enable_truncation(max_len, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
+        backend.no_padding()
+        if len(by_len) >= _MAX_LENGTHS:
+            by_len.clear()
+        by_len[max_len] = backend
+    return backend
 
 
 def _encode_words(tokenizer: Any, patch: Patch, text: str, max_len: int, was_cut: bool) -> Encoded:
