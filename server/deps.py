@@ -133,6 +133,10 @@ async def require_admin(credentials: Credentials, svc: ServiceDep) -> None:
 
 
 async def require_predict(credentials: Credentials, svc: ServiceDep) -> None:
+    check_predict(credentials, svc)
+
+
+def check_predict(credentials: HTTPAuthorizationCredentials | None, svc: Service) -> None:
     """With a predict token set, predict needs it (or the admin token); with only an admin token, predict is open."""
     if svc.settings.predict_token is None:
         return

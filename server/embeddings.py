@@ -20,7 +20,7 @@ from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from patchserve.patches.api import EmbedRequest, EmbedResponse, Text
 from patchserve.server.deps import PredictAuth, ServiceDep
-from patchserve.server.inference import BASE_TASK, Counted, name_task, run_rows
+from patchserve.server.inference import BASE_TASK, InferenceService, name_task, run_rows
 from patchserve.server.openapi import TaskName, errors
 from patchserve.server.predict import InputError, check_request, normalise_inputs
 
@@ -58,16 +58,14 @@ _TASK_ERRORS = errors(401, 403, 404, 409, 413, 422, 503, 504)
 
 
 @router.post("/tasks/{name}/embed", response_model=EmbedResponse, responses=_TASK_ERRORS)
-async def embed_task(
-    name: TaskName, body: EmbedRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
-) -> Any:
+async def embed_task(name: TaskName, body: EmbedRequest, request: Request, svc: InferenceService) -> Any:
     """Each input's pooled vector under the current version of task ``name``'s patch."""
     texts, pairs = normalise_inputs(body.inputs)
     return (await _embed(svc, request, name, texts, pairs, body.normalize))[0]
 
 
 @router.post("/embed", response_model=EmbedResponse, responses=errors(401, 403, 413, 422, 503, 504))
-async def embed_base(body: EmbedRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted) -> Any:
+async def embed_base(body: EmbedRequest, request: Request, svc: InferenceService) -> Any:
     """Each input's pooled vector under the base encoder (no patch)."""
     texts, pairs = normalise_inputs(body.inputs)
     return (await _embed(svc, request, None, texts, pairs, body.normalize))[0]
@@ -109,9 +107,7 @@ class OpenAIEmbeddingResponse(BaseModel):
 
 
 @router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=_TASK_ERRORS)
-async def openai_embeddings(
-    body: OpenAIEmbeddingRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
-) -> Any:
+async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: InferenceService) -> Any:
     """OpenAI's embeddings API: ``model`` names a task (its patch shapes the vectors) or the base encoder; vectors
     have unit length. The API key is the bearer token."""
     texts = [body.input] if isinstance(body.input, str) else body.input

@@ -4,8 +4,8 @@ the event loop), hand the rows to the engine (in this process or the engine proc
 the request timeout, and only while the client is still there.
 
 Which task a request ran for is left on ``request.state.task`` for ``patchserve.server.middleware.RequestGuard``:
-routes that depend on ``Counted`` are counted, under ``_unknown`` until their task resolved (so the label set stays
-bounded).
+routes that depend on ``InferenceService`` are counted, under ``_unknown`` until their task resolved (so the label
+set stays bounded).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
 from patchserve.patches.format import Patch
-from patchserve.server.deps import Service
+from patchserve.server.deps import Credentials, Service, check_predict, get_service
 from patchserve.server.engine.protocol import EngineUnavailableError
 from patchserve.server.predict import Encoded, InputError, encode
 
@@ -34,11 +34,17 @@ class ClientGoneError(Exception):
     """The client disconnected before its answer was ready (answered 499, which nobody receives)."""
 
 
-async def _count(request: Request) -> None:
+async def _inference_service(request: Request, credentials: Credentials) -> Service:
+    """The service, for a route that runs the encoder: 503 while the server starts, the predict token's check
+    (401/403), then the request is counted. One dependency for all three: FastAPI's resolving costs a front end
+    per dependency, on every request (docs/experiments.md)."""
+    svc = await get_service(request)
+    check_predict(credentials, svc)
     request.state.task = UNKNOWN_TASK
+    return svc
 
 
-Counted = Annotated[None, Depends(_count)]
+InferenceService = Annotated[Service, Depends(_inference_service)]
 
 
 def name_task(request: Request, task: str) -> None:

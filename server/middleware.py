@@ -6,9 +6,9 @@ is counted as it is read, and a 413 is raised as soon as it runs over. Inference
 their own, smaller limit: they are parsed on the event loop, and this bounds how long one can hold up every other
 request (probes included).
 
-Metrics: every request of a route that depends on ``patchserve.server.inference.Counted`` is counted by task and the
-status that went out, whichever handler produced it, and the successful ones are timed. The route names its task once it
-resolved (``request.state.task``).
+Metrics: every request of a route that depends on ``patchserve.server.inference.InferenceService`` is counted by
+task and the status that went out, whichever handler produced it, and the successful ones are timed. The route names
+its task once it resolved (``request.state.task``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from patchserve.patches.format import PatchMeta
 from patchserve.patches.validation import strict_json
 from patchserve.server.deps import PredictAuth, ServiceDep
 from patchserve.server.engine.protocol import EngineUnavailableError
-from patchserve.server.inference import Counted, name_task, run_rows
+from patchserve.server.inference import InferenceService, name_task, run_rows
 from patchserve.server.openapi import TaskName, errors
 from patchserve.server.predict import InputError, check_request, decode
 
@@ -177,15 +177,13 @@ _INFER_BODY = {
 
 
 @router.post("/v2/models/{name}/infer", responses=_INFER, openapi_extra=_INFER_BODY)
-async def infer(name: TaskName, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted) -> Response:
+async def infer(name: TaskName, request: Request, svc: InferenceService) -> Response:
     """Run a task's current version on a BYTES ``text`` tensor (and ``text_pair``); outputs by its kind."""
     return await _infer(svc, request, name, None)
 
 
 @router.post("/v2/models/{name}/versions/{version}/infer", responses=_INFER, openapi_extra=_INFER_BODY)
-async def infer_version(
-    name: TaskName, version: int, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
-) -> Response:
+async def infer_version(name: TaskName, version: int, request: Request, svc: InferenceService) -> Response:
     """As POST /v2/models/{name}/infer, with one stored version of the task."""
     return await _infer(svc, request, name, version)
 

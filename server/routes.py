@@ -25,8 +25,8 @@ from patchserve.patches.errors import PatchError, PatchServeError, PatchTooLarge
 from patchserve.patches.format import Patch
 from patchserve.patches.peft_archive import AdapterTooLargeError, adapter_files, is_archive
 from patchserve.patches.peft_io import import_peft_bytes
-from patchserve.server.deps import AdminAuth, PredictAuth, ReadAuth, ServiceDep
-from patchserve.server.inference import Counted, name_task, run_rows
+from patchserve.server.deps import AdminAuth, ReadAuth, ServiceDep
+from patchserve.server.inference import InferenceService, name_task, run_rows
 from patchserve.server.openapi import TaskName, errors
 from patchserve.server.predict import check_request, decode, normalise_inputs
 
@@ -40,9 +40,7 @@ router = APIRouter()
     responses=errors(401, 403, 404, 409, 413, 422, 503, 504),
     tags=["predict"],
 )
-async def predict(
-    name: TaskName, body: PredictRequest, request: Request, svc: ServiceDep, _: PredictAuth, __: Counted
-) -> Any:
+async def predict(name: TaskName, body: PredictRequest, request: Request, svc: InferenceService) -> Any:
     """Predict with the current version of task ``name``. Inputs of any tasks share batches on the device."""
     texts, pairs = normalise_inputs(body.inputs)
     info, patch = await svc.catalog.resolve_async(name)
