@@ -40,9 +40,8 @@ from starlette.concurrency import run_in_threadpool
 
 from bench.common import DATA, OUT, append_run, latest_run, pyplot, sentences
 from patchserve.patches.encoder import load_tokenizer
-from patchserve.server.cli import serial_tokenizers
 from patchserve.server.inference import INLINE_TOKENIZE_CHARS
-from patchserve.server.predict import encode
+from patchserve.server.predict import encode, serial_tokenizers
 
 SIZES = (16, 64, 256, 1024, 2048, 4096, 8192)
 HOLD_BUDGET_US = 1000.0  # the longest one request's tokenizing may hold its front end's event loop

@@ -50,7 +50,7 @@ from patchserve.server.middleware import RequestGuard, body_too_large, error_res
 from patchserve.server.oip import openapi_components
 from patchserve.server.oip import router as oip_router
 from patchserve.server.openapi import add_schemas
-from patchserve.server.predict import InputError
+from patchserve.server.predict import InputError, serial_tokenizers
 from patchserve.server.routes import router
 from patchserve.server.routes_jobs import router as jobs_router
 from patchserve.server.settings import ServerSettings
@@ -246,8 +246,6 @@ async def _service(
 def app_factory() -> Any:
     """For ``uvicorn --factory server.app:app_factory``: settings from PATCHSERVE_* env vars, the engine in this
     process."""
-    from patchserve.server.cli import serial_tokenizers
-
     serial_tokenizers()
     return create_app(ServerSettings())
 

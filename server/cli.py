@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import types
 import typing
@@ -41,15 +40,6 @@ def settings_from_args(args: argparse.Namespace, settings_cls: type[ServerSettin
     return settings_cls(**given)
 
 
-def serial_tokenizers() -> None:
-    """Tokenize on the calling thread (this process and the front ends it starts inherit it; an explicit
-    TOKENIZERS_PARALLELISM wins). A request's few texts are not worth the Rust tokenizer's thread pool: on 2 busy
-    cores, 8 real sentences took 1.0 ms of wall time through the pool against 0.48 ms on the calling thread, at
-    1.3x the CPU, and over HTTP a front end spent 8% more CPU a request at 8 inputs with it (docs/experiments.md).
-    A front end is one core's worth of work beside the others anyway."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args, ServerSettings)
@@ -59,6 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {where}: {err['msg']}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from patchserve.server.predict import serial_tokenizers
+
     serial_tokenizers()
     if settings.workers != 0:
         from patchserve.server.supervisor import serve

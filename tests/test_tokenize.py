@@ -65,7 +65,7 @@ def test_one_truncating_copy_per_length_and_the_tokenizer_itself_untouched(minil
 
 
 def test_serve_tokenizes_serially_unless_told_otherwise():
-    code = "import os; from patchserve.server.cli import serial_tokenizers; serial_tokenizers(); " + (
+    code = "import os; from patchserve.server.predict import serial_tokenizers; serial_tokenizers(); " + (
         "print(os.environ['TOKENIZERS_PARALLELISM'])"
     )
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
