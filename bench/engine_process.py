@@ -10,7 +10,8 @@ ends and fell with concurrency: the engine process, not the front ends, was the 
 benchmark starts the real engine process (``patchserve.server.supervisor.EngineProcess``, as ``patchserve serve
 --workers N`` does) and one ZeroMQ DEALER here sends it pre-tokenised requests of K rows (``--rows``) of random
 tasks, keeping ``--outstanding`` rows in flight, closed loop: for every answer, one ``Requests`` message with as many
-new requests as it answered (a front end sends the requests made in one turn of its event loop as one message). Per
+new requests as it answered (a front end sends the requests made in one turn of its event loop as one message), or
+messages of at most ``--per-message`` requests (1: as many front ends with one request each would send them). Per
 cell: rows/s through the engine process, and the engine alone -- the same runner in this process on batches of
 --max-batch-rows rows of the same texts and tasks, back to back -- with their ratio (1.0: the process adds nothing to
 its forward passes).
@@ -139,17 +140,21 @@ class Client:
         self.sock.send(payload)
         from_engine.decode(self.sock.recv())
 
-    def rows_per_s(self, k: int, outstanding: int, seconds: float) -> float:
-        window = max(1, outstanding // k)
-        per_message = max(1, MAX_MESSAGE_ROWS // k)
-        for start in range(0, window, per_message):
-            self._send(min(per_message, window - start), k)
+    def _send_all(self, requests: int, k: int, per_message: int) -> None:
+        for start in range(0, requests, per_message):
+            self._send(min(per_message, requests - start), k)
+
+    def rows_per_s(self, k: int, outstanding: int, seconds: float, per_message: int = 0) -> float:
+        """Rows/s with ``outstanding`` rows in flight in requests of ``k`` rows, sent in messages of at most
+        ``per_message`` requests (0: as many as were answered, up to a front end's MAX_MESSAGE_ROWS)."""
+        per_message = min(per_message or MAX_MESSAGE_ROWS, max(1, MAX_MESSAGE_ROWS // k))
+        self._send_all(max(1, outstanding // k), k, per_message)
         done = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             answered = self._answered()
             done += answered
-            self._send(answered, k)
+            self._send_all(answered, k, per_message)
         elapsed, timed = time.perf_counter() - t0, done
         while self.sizes:  # drain, so the next cell starts on an empty queue
             done += self._answered()
@@ -166,6 +171,11 @@ def _bound(cell: dict[str, Any]) -> str:
     return f"{cell['max_batch_rows']} / {cell['max_batch_tokens']:,}" if "max_batch_rows" in cell else "-"
 
 
+def _per_message(cell: dict[str, Any]) -> str:
+    """A cell's requests a message; runs before 2026-12-05 always sent every answered request in one message."""
+    return str(cell.get("requests_per_message") or "all")
+
+
 def render(jsonl: Path) -> None:
     meta, cells = latest_run(jsonl)
     md = [
@@ -173,22 +183,24 @@ def render(jsonl: Path) -> None:
         "",
         f"Written by `{meta['command']}` on {meta['machine']} ({meta['device']}), {meta['date']} (torch "
         f"{meta['torch']}, commit {meta['commit']}); {meta['engine']}. One DEALER sends pre-tokenised requests of K "
-        f"rows, closed loop with the given rows in flight; {meta['seconds']:g} s per cell, medians over "
+        "rows, closed loop with the given rows in flight, the requests answered going out again in messages of at "
+        "most the given requests (all: one message, as one busy front end sends them); "
+        f"{meta['seconds']:g} s per cell, medians over "
         f"{meta['repeats']} repeats (cells interleaved). engine alone = the same runner in the benchmark's process on "
         "full batches, back to back. ratio = engine process / engine alone. CPU: the CPU time (every thread) a row "
         "costs the engine process, and the benchmark's process running the engine alone; CPU ratio = alone / process "
         "(what a shared machine's noise moves least).",
         "",
-        "| batch: rows / tokens | rows a request | rows in flight | engine process rows/s | engine alone rows/s "
-        "| ratio | CPU µs a row: process / alone | CPU ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch: rows / tokens | rows a request | rows in flight | requests a message | engine process rows/s "
+        "| engine alone rows/s | ratio | CPU µs a row: process / alone | CPU ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         cpu = "| |"
         if "cpu_us_per_row" in c:  # older runs did not record CPU time
             cpu = f"| {c['cpu_us_per_row']:.0f} / {c['engine_alone_cpu_us_per_row']:.0f} | {c['cpu_ratio']:.2f} |"
         md.append(
-            f"| {_bound(c)} | {c['rows']} | {c['outstanding']} | {c['rows_per_s']:,.0f} | "
+            f"| {_bound(c)} | {c['rows']} | {c['outstanding']} | {_per_message(c)} | {c['rows_per_s']:,.0f} | "
             f"{c['engine_alone_rows_per_s']:,.0f} | "
             f"{c['ratio']:.2f} {cpu}"
         )
@@ -200,9 +212,14 @@ def render(jsonl: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     several = len({_bound(c) for c in cells}) > 1
-    for k, bound in sorted({(c["rows"], _bound(c)) for c in cells}):
-        mine = sorted((c for c in cells if (c["rows"], _bound(c)) == (k, bound)), key=lambda c: c["outstanding"])
+    messages = len({_per_message(c) for c in cells}) > 1
+    for k, bound, m in sorted({(c["rows"], _bound(c), _per_message(c)) for c in cells}):
+        mine = sorted(
+            (c for c in cells if (c["rows"], _bound(c), _per_message(c)) == (k, bound, m)),
+            key=lambda c: c["outstanding"],
+        )
         label = f"{k} rows a request" + (f", batches {bound}" if several else "")
+        label += f", {m} requests a message" if messages else ""
         ax.plot([c["outstanding"] for c in mine], [c["ratio"] for c in mine], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="rows in flight", ylabel="engine process / engine alone", ylim=(0, 1.05))
@@ -213,7 +230,7 @@ def render(jsonl: Path) -> None:
 
 
 Bound = tuple[int, int]  # an engine's batch bound: (max rows, max tokens)
-Cell = tuple[Bound, int, int]  # (bound, rows a request, rows in flight)
+Cell = tuple[Bound, int, int, int]  # (bound, rows a request, rows in flight, requests a message; 0: all answered)
 
 
 def start_engine(args: argparse.Namespace, model: str, address: Path, bound: Bound, queue: int) -> EngineProcess:
@@ -238,13 +255,14 @@ def summarise(
     cell: Cell, runs: list[float], cpu: list[float], alone: list[float], alone_cpu: list[float]
 ) -> dict[str, Any]:
     """One cell's medians over its repeats, against the engine alone on batches of the cell's row bound."""
-    (max_rows, max_tokens), k, n = cell
+    (max_rows, max_tokens), k, n, m = cell
     engine_alone, alone_us, rows_per_s = statistics.median(alone), statistics.median(alone_cpu), statistics.median(runs)
     return {
         "max_batch_rows": max_rows,
         "max_batch_tokens": max_tokens,
         "rows": k,
         "outstanding": n,
+        "requests_per_message": m,
         "rows_per_s": round(rows_per_s, 1),
         "engine_alone_rows_per_s": round(engine_alone, 1),
         "ratio": round(rows_per_s / engine_alone, 3),
@@ -254,15 +272,19 @@ def summarise(
     }
 
 
-def headline(summary: list[dict[str, Any]], bounds: list[Bound], ks: list[int], deepest: int) -> dict[str, Any]:
-    """The deepest queue's figures per rows a request (and per bound, named in the keys when there are several)."""
+def headline(
+    summary: list[dict[str, Any]], bounds: list[Bound], ks: list[int], deepest: int, per_message: list[int]
+) -> dict[str, Any]:
+    """The deepest queue's figures per rows a request (and per bound and requests a message, named in the keys when
+    there are several)."""
     head: dict[str, Any] = {}
-    for r, t in bounds:
-        tag = f"_{r}x{t}" if len(bounds) > 1 else ""
+    for (r, t), m in itertools.product(bounds, per_message):
+        tag = (f"_{r}x{t}" if len(bounds) > 1 else "") + (f"_{m or 'all'}_a_message" if len(per_message) > 1 else "")
         at = {
             c["rows"]: c
             for c in summary
-            if (c["max_batch_rows"], c["max_batch_tokens"], c["outstanding"]) == (r, t, deepest)
+            if (c["max_batch_rows"], c["max_batch_tokens"], c["outstanding"], c["requests_per_message"])
+            == (r, t, deepest, m)
         }
         head[f"engine_alone_rows_per_s{tag}"] = at[ks[0]]["engine_alone_rows_per_s"]
         head[f"engine_alone_cpu_us_per_row{tag}"] = at[ks[0]]["engine_alone_cpu_us_per_row"]
@@ -278,6 +300,7 @@ def measure(
     bounds: list[Bound],
     ks: list[int],
     outstanding: list[int],
+    per_message: list[int],
     patches: list[Patch],
     pool: Pool,
     texts: list[str],
@@ -286,7 +309,7 @@ def measure(
     """Every cell, interleaved over --repeats, with one engine process per bound (all up at once)."""
     engines: dict[Bound, EngineProcess] = {}
     clients: dict[tuple[Bound, int], Client] = {}
-    cells: list[Cell] = list(itertools.product(bounds, ks, outstanding))
+    cells: list[Cell] = list(itertools.product(bounds, ks, outstanding, per_message))
     runs: dict[Cell, list[float]] = {c: [] for c in cells}
     cpu: dict[Cell, list[float]] = {c: [] for c in cells}
     try:
@@ -307,14 +330,16 @@ def measure(
                 alone[r].append(alone_engine.rows_per_s(args.tasks, rng))
                 alone_cpu[r].append(alone_engine.last_cpu_s / alone_engine.last_rows * 1e6)
             shift = rep % len(cells)
-            for b, k, n in cells[shift:] + cells[:shift]:
+            for cell in cells[shift:] + cells[:shift]:
+                b, k, n, m = cell
                 process = engines[b].process
                 assert process is not None and process.pid is not None
                 c0 = cpu_seconds(process.pid)
-                runs[b, k, n].append(clients[b, k].rows_per_s(k, n, args.seconds))
-                cpu[b, k, n].append((cpu_seconds(process.pid) - c0) / clients[b, k].last_rows * 1e6)
+                runs[cell].append(clients[b, k].rows_per_s(k, n, args.seconds, m))
+                cpu[cell].append((cpu_seconds(process.pid) - c0) / clients[b, k].last_rows * 1e6)
                 line = {"max_batch_rows": b[0], "max_batch_tokens": b[1], "rows": k, "outstanding": n}
-                print(json.dumps(line | {"rows_per_s": round(runs[b, k, n][-1])}), file=sys.stderr)
+                line |= {"requests_per_message": m, "rows_per_s": round(runs[cell][-1])}
+                print(json.dumps(line), file=sys.stderr)
     finally:
         for c in clients.values():
             c.close()
@@ -331,6 +356,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rows", default="1,8", help="rows a request (comma-separated)")
     ap.add_argument("--outstanding", default="64,256,2048", help="rows in flight (comma-separated)")
+    ap.add_argument(
+        "--per-message",
+        default="0",
+        help="requests a message at most (comma-separated: a grid axis). 0: every request answered goes out again in "
+        "one message, as one busy front end sends them; 1: each its own, as many front ends with one request each",
+    )
     ap.add_argument("--tasks", type=int, default=200, help="tasks the rows spread over (all resident)")
     ap.add_argument(
         "--max-batch-rows",
@@ -364,6 +395,7 @@ def main() -> None:
         args.rows, args.outstanding, args.seconds, args.repeats = "8,1", "2048,256", 3.0, 2
     ks = [int(x) for x in args.rows.split(",")]
     outstanding = [int(x) for x in args.outstanding.split(",")]
+    per_message = [int(x) for x in args.per_message.split(",")]
     batch_rows = batch_rows_axis(args.max_batch_rows, args.device)
     bounds = list(itertools.product(batch_rows, [int(x) for x in args.max_batch_tokens.split(",")]))
     work = Path(tempfile.mkdtemp(prefix="bench-engine-process-"))
@@ -377,7 +409,7 @@ def main() -> None:
     pool = Pool(token_rows, [p.patch_id for p in patches], 50_000, rng)
     if args.engine_threads is not None:
         torch.set_num_threads(args.engine_threads)
-    summary = measure(args, model, work, bounds, ks, outstanding, patches, pool, texts, rng)
+    summary = measure(args, model, work, bounds, ks, outstanding, per_message, patches, pool, texts, rng)
     if not args.quick:
         meta = {
             "command": "python bench/engine_process.py " + " ".join(sys.argv[1:]),
@@ -393,7 +425,7 @@ def main() -> None:
         print(f"wrote {args.out} and its .md and .png", file=sys.stderr)
     for c in summary:
         print(json.dumps(c), file=sys.stderr)
-    print(json.dumps(headline(summary, bounds, ks, max(outstanding))))
+    print(json.dumps(headline(summary, bounds, ks, max(outstanding), per_message)))
 
 
 if __name__ == "__main__":
