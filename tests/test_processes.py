@@ -382,7 +382,7 @@ def test_requests_of_one_turn_go_out_as_one_message(tmp_path, tiny_bert_dir, tin
         # in the engine: a Cancel drops that request's rows of its message, and only those
         answers = []
         send = server._send
-        server._send = lambda ident, msg: answers.append(msg) if ident == b"peer" else send(ident, msg)
+        server._send = lambda ident, *msgs: answers.extend(msgs) if ident == b"peer" else send(ident, *msgs)
         server._on_message([b"peer", encode(pack_requests(100, requests[:3], {}))])
         server._on_message([b"peer", encode(Cancel(101))])
         await server._inflight[b"peer", 100].future
@@ -401,6 +401,99 @@ def test_requests_of_one_turn_go_out_as_one_message(tmp_path, tiny_bert_dir, tin
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     assert not any(isinstance(t, Exception) for t in tried[:6]), tried
     assert isinstance(tried[6], OverloadedError), tried[6]
+
+
+def test_messages_that_arrive_together_run_as_one_job_and_each_front_end_gets_one_answer(
+    tmp_path, tiny_bert_dir, tiny_encoder
+):
+    """Every message the engine's socket holds when its loop gets to it is queued as one job (its Python work grows
+    with the turns that brought messages, not with each message), and a batch's answers for one front end go out as
+    one ZeroMQ message, an answer a frame. Each message is still answered as its own: its requests' outputs as the
+    engine in process gives them; a malformed one 400 and the others unharmed; the queue's room cut across messages
+    (the first requests taken, the rest refused); a Cancel after its request in the same batch drops its rows."""
+    import msgspec
+
+    from patchserve.patches.encoder import load_encoder
+    from patchserve.server.engine import remote as remote_module
+    from patchserve.server.engine.protocol import Failed, Results
+    from patchserve.server.engine.rows import unpack_results
+
+    patches = [make_patch(tiny_encoder, f"t{i}", seed=i + 1) for i in range(3)]
+    settings = ServerSettings(
+        model=str(tiny_bert_dir), device="cpu", slots=8, max_queue_rows=14, max_inputs_per_request=4
+    )
+    reference = LocalEngine(load_encoder(str(tiny_bert_dir)), settings, Metrics())
+    ids = tiny_encoder.tokenizer(TEXTS)["input_ids"]
+
+    def rows(patch, n=4, output="logits"):
+        return [Row(list(i), [0] * len(i), patch, output) for i in ids[:n]]
+
+    def want(requests):
+        return np.concatenate([o.numpy().ravel() for r in requests for o in reference.runner.run(r)])
+
+    a1 = [rows(patches[0]), rows(None, 2, "embedding")]  # 6 rows
+    b1 = [rows(patches[1], 3)]  # 3 rows
+    a2 = [rows(patches[2], 2), rows(patches[0], 3), rows(patches[1], 1)]  # the queue has room for the first 5 rows
+    bad = msgspec.structs.replace(pack_requests(30, [rows(patches[2])], {}), counts=np.array([5], "<i4").tobytes())
+    cache = PatchCache(2**20)
+    for p in patches:
+        cache.put(p)  # held: no bytes travel
+
+    async def scenario():
+        async with _engine_in_process(tmp_path, settings, cache) as (server, remote):
+            sent: list[tuple[bytes, list]] = []
+            send, max_rows = server._send, remote_module.MAX_MESSAGE_ROWS
+            server._send = lambda ident, *msgs: sent.append((ident, list(msgs)))  # type: ignore[method-assign]
+            batch = [(b"a", pack_requests(10, a1, {})), (b"b", pack_requests(20, b1, {})), (b"b", bad)]
+            batch.append((b"a", pack_requests(40, a2, {})))
+            server._on_messages([[ident, encode(msg)] for ident, msg in batch])
+            queued = [len(job.block) for job in server.engine.batcher._queue]
+            await asyncio.gather(server._inflight[b"a", 10].future)
+            before = len(sent)
+            server._on_messages(
+                [[b"c", encode(pack_requests(50, [rows(patches[0], 2)] * 2, {}))], [b"c", encode(Cancel(51))]]
+            )
+            await server._inflight[b"c", 50].future
+            # two jobs of one front end in one batch: still one message to it
+            server._on_messages([[b"d", encode(pack_requests(60, b1, {}))]])
+            server._on_messages([[b"d", encode(pack_requests(70, b1, {}))]])
+            two_jobs = len(sent)
+            await server._inflight[b"d", 70].future
+            # a real front end, two messages in one turn (a message's row cap is 4 here), both in the engine's
+            # socket before its loop looks: one answer of two frames, which the front end takes frame by frame
+            frames: list[int] = []
+            server._send = lambda ident, *msgs: (frames.append(len(msgs)), send(ident, *msgs))  # type: ignore
+            loop, channel = asyncio.get_running_loop(), server._channel
+            remote_module.MAX_MESSAGE_ROWS = 4
+            loop.remove_reader(channel._fd)
+            try:
+                calls = asyncio.gather(*(remote.run(r) for r in a2[:2]))
+                await asyncio.sleep(0.2)  # both sent and delivered
+                loop.add_reader(channel._fd, channel._drain)
+                channel._drain()
+                over_remote = await calls
+            finally:
+                remote_module.MAX_MESSAGE_ROWS = max_rows
+            return queued, sent[:before], sent[before:two_jobs], sent[two_jobs:], frames, over_remote
+
+    queued, sent, cancelled, two_jobs, frames, over_remote = asyncio.run(scenario())
+    assert [(ident, [m.id for m in msgs]) for ident, msgs in two_jobs] == [(b"d", [60, 70])]
+    assert frames == [2]
+    for outputs, requests in zip(over_remote, a2[:2], strict=True):
+        np.testing.assert_allclose(np.concatenate([o.ravel() for o in outputs]), want([requests]), rtol=1e-5, atol=1e-5)
+    assert queued == [14], "the messages that arrived together were not queued as one job"
+    failed = [(ident, m) for ident, msgs in sent for m in msgs if isinstance(m, Failed)]
+    assert [(ident, m.id, m.status) for ident, m in failed] == [(b"b", 30, 400)]
+    answers = [(ident, msgs) for ident, msgs in sent if not isinstance(msgs[0], Failed)]
+    assert sorted(ident for ident, _ in answers) == [b"a", b"b"], "one message a front end for the batch"
+    got = {m.id: m for _, msgs in answers for m in msgs}
+    assert sorted(got) == [10, 20, 40]
+    assert [(got[i].first, got[i].count, got[i].refused) for i in (10, 20, 40)] == [(0, 2, 0), (0, 1, 0), (0, 2, 1)]
+    for i, requests in ((10, a1), (20, b1), (40, a2[:2])):
+        np.testing.assert_allclose(unpack_results(got[i]).data, want(requests), rtol=1e-5, atol=1e-5)
+    results = [m for _, msgs in cancelled for m in msgs if isinstance(m, Results)]
+    sizes = np.concatenate([np.frombuffer(m.sizes, "<i4") for m in sorted(results, key=lambda m: m.first)])
+    assert [int(n > 0) for n in sizes] == [1, 1, 0, 0], "the Cancel behind its request did not drop its rows"
 
 
 def test_default_front_ends_and_engine_threads_follow_the_cores(monkeypatch):

@@ -50,7 +50,8 @@ class Job:
     """One submission's rows (a front end's message, or one request in this process) on their way through the
     batcher. ``future`` resolves to their ``RowOutputs`` (a dropped row's size is 0; rows already ``collect``-ed are
     not in it); cancelling it drops every row that has not reached the device yet, ``drop`` only some. After each
-    batch that held some of its rows, ``on_progress`` (if set) is called: rows ``[0, done)`` then have outputs."""
+    batch that held some of its rows, ``on_progress`` (if set) is called: rows ``[0, done)`` then have outputs; once
+    every job of the batch was, the batcher's ``on_answered``."""
 
     def __init__(self, block: RowBlock, future: asyncio.Future[RowOutputs]) -> None:
         self.block = block
@@ -124,6 +125,7 @@ class Batcher:
         self.max_queue_rows = max_queue_rows
         self.max_patches = runner.slots.capacity
         self.on_batch = on_batch
+        self.on_answered: Callable[[], None] | None = None  # after a batch's jobs were told of their progress
         self._queue: deque[Job] = deque()
         self._queued = 0  # rows of the queued jobs not yet taken
         self._wakeup = asyncio.Event()
@@ -342,6 +344,8 @@ class Batcher:
             if job.on_progress is not None and not job.future.done():
                 job.on_progress(job)
             self._settle(job)
+        if self.on_answered is not None:
+            self.on_answered()
         if self.on_batch is not None and block is not None:
             lengths = block.lengths
             self.on_batch(

@@ -5,23 +5,43 @@ pyzmq's ``zmq.asyncio`` wraps each send and receive in a future; at tens of thou
 half of the engine's event-loop time. ZeroMQ exposes one edge-triggered file descriptor per socket, so the rule is
 the usual one: after the loop says it is readable, and after every send (a send can consume the edge), drain what
 ``EVENTS`` says is there.
+
+Messages are handed over in batches: every message the socket holds when the loop gets to it goes to ``on_messages``
+in one call (a receiver that can treat them together, as the engine process does, saves its per-message work; the
+readiness check runs once a batch, not once a message). ``each(fn)`` adapts a callback of one message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
 import zmq
 
 log = logging.getLogger(__name__)
+MAX_BATCH = 256  # messages handed over at once at most (then the rest, in the next batch)
+Frames = list[bytes]
+
+
+def each(on_message: Callable[[Frames], None]) -> Callable[[list[Frames]], None]:
+    """A batch callback that hands each message to ``on_message``; one that raises is logged, the rest still go."""
+
+    def on_messages(batch: list[Frames]) -> None:
+        for frames in batch:
+            try:
+                on_message(frames)
+            except Exception:  # one bad message must not strand the ones behind it
+                log.exception("a message could not be handled")
+
+    return on_messages
 
 
 class Channel:
-    def __init__(self, sock: zmq.Socket[bytes], on_message: Callable[[list[bytes]], None]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], on_messages: Callable[[list[Frames]], None]) -> None:
         self.sock = sock
-        self.on_message = on_message
+        self.on_messages = on_messages
         self._loop = asyncio.get_running_loop()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._scheduled = False
@@ -38,11 +58,14 @@ class Channel:
     def _drain(self) -> None:
         self._scheduled = False
         while not self.sock.closed and self._readable():
-            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            batch: list[Frames] = []
+            with contextlib.suppress(zmq.Again):
+                while len(batch) < MAX_BATCH:
+                    batch.append(self.sock.recv_multipart(zmq.NOBLOCK))
             try:
-                self.on_message(frames)
-            except Exception:  # one bad message must not strand the ones behind it (the edge will not come again)
-                log.exception("a message on %s could not be handled", self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                self.on_messages(batch)
+            except Exception:  # a bug must not strand the messages behind it (the edge will not come again)
+                log.exception("messages on %s could not be handled", self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def _readable(self) -> bool:
         return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)

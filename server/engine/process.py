@@ -16,6 +16,7 @@ when its supervisor is gone.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import gc
@@ -54,7 +55,13 @@ from patchserve.server.engine.protocol import (
     encode,
     to_engine,
 )
-from patchserve.server.engine.rows import RowOutputs, results_message, unpack_requests
+from patchserve.server.engine.rows import (
+    RowBlock,
+    RowOutputs,
+    results_message,
+    unpack_request_group,
+    unpack_requests,
+)
 from patchserve.server.engine.slots import SlotsExhaustedError
 from patchserve.server.metrics import Metrics
 from patchserve.server.settings import ServerSettings
@@ -71,15 +78,20 @@ class Startup(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+Ready = tuple[bytes, Requests, dict[str, Patch]]  # a front end's message whose patches are all at hand, and them
+
+
 @dataclass
 class _InFlight:
-    """A ``Requests`` message the engine has taken: its requests' rows in the batcher (``job``; None while its
-    patches are parsed) and where each request's rows start (``bounds``, so one can be cancelled)."""
+    """A ``Requests`` message the engine has taken: its requests' rows in the batcher (``job``, which may hold other
+    messages' too; None while its patches are parsed) and where each request's rows start in it (``bounds`` from
+    request ``base`` on, so one can be cancelled)."""
 
     future: asyncio.Future[Any]
     n_requests: int
     job: Job | None = None
-    bounds: np.ndarray | None = None
+    bounds: np.ndarray | None = None  # the job's request bounds (rows), shared by the messages it holds
+    base: int = 0  # this message's first request among the job's
     dropped: list[int] = field(default_factory=list)  # requests cancelled while the patches were parsed
     answered: int = 0  # requests before it were answered
     refused: int = 0  # the message's last requests, not taken (the queue was full)
@@ -89,7 +101,39 @@ class _InFlight:
         if self.job is None or self.bounds is None:
             self.dropped.append(i)
         else:
-            self.job.drop(slice(int(self.bounds[i]), int(self.bounds[i + 1])))
+            j = self.base + i
+            self.job.drop(slice(int(self.bounds[j]), int(self.bounds[j + 1])))
+
+
+@dataclass
+class _Group:
+    """The messages one job holds, in request order, answered message by message as their requests finish."""
+
+    members: list[tuple[bytes, int, _InFlight]]  # (front end, message id, its state)
+    bounds: list[int]  # the job's request bounds (rows), as Python ints
+    answered: int = 0  # the job's requests before it were answered
+    cursor: int = 0  # members before it were answered in full
+
+    def pieces(self, upto: int, outputs: RowOutputs) -> dict[bytes, list[Results]]:
+        """The answers, by front end, for the job's requests up to ``upto`` (``outputs``: the rows from the last
+        ones answered on)."""
+        offsets = outputs.offsets
+        row0 = self.bounds[self.answered]
+        out: dict[bytes, list[Results]] = {}
+        while self.cursor < len(self.members):
+            ident, rid, m = self.members[self.cursor]
+            lo, hi = m.base + m.answered, min(m.base + m.n_requests, upto)
+            if hi <= lo:
+                break
+            a, b = self.bounds[lo] - row0, self.bounds[hi] - row0
+            piece = RowOutputs(outputs.data[offsets[a] : offsets[b]], outputs.sizes[a:b])
+            out.setdefault(ident, []).append(results_message(rid, m.answered, hi - lo, piece, m.refused))
+            m.answered = hi - m.base
+            if m.answered < m.n_requests:
+                break
+            self.cursor += 1
+        self.answered = upto
+        return out
 
 
 class EngineServer:
@@ -109,6 +153,8 @@ class EngineServer:
         self._inflight: dict[tuple[bytes, int], _InFlight] = {}
         self._parsing: dict[str, asyncio.Task[Patch]] = {}
         self._channel: Channel | None = None
+        self._outbox: dict[bytes, list[Results]] = {}  # a batch's answers by front end, sent once it is answered
+        engine.batcher.on_answered = self._send_outbox
 
     async def serve(self, address: str, stop: asyncio.Event, on_bound: asyncio.Event | None = None) -> None:
         """Answer front ends at ``address`` until ``stop`` is set, then finish the requests already taken."""
@@ -118,7 +164,7 @@ class EngineServer:
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop an answer to a connected front end
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(address)
-        self._channel = Channel(sock, self._on_message)
+        self._channel = Channel(sock, self._on_messages)
         if on_bound is not None:
             on_bound.set()
         try:
@@ -131,23 +177,33 @@ class EngineServer:
             ctx.term()
 
     def _on_message(self, frames: list[bytes]) -> None:
-        ident, payload = frames
-        try:
-            msg = to_engine.decode(payload)
-        except msgspec.DecodeError as exc:  # a bug or a stranger on the socket: say so, keep serving
-            log.error("engine: undecodable message from a front end: %s", exc)
-            return
-        if isinstance(msg, Requests):
-            found = self._held(msg)
-            if found is None:
+        self._on_messages([frames])
+
+    def _on_messages(self, batch: list[list[bytes]]) -> None:
+        """Every message the socket held: the requests whose patches are all at hand go to the batcher together, as
+        one job (a Cancel is taken after the requests before it)."""
+        ready: list[Ready] = []
+        for frames in batch:
+            try:
+                ident, payload = frames
+                msg = to_engine.decode(payload)
+            except (ValueError, msgspec.DecodeError) as exc:  # a bug or a stranger on the socket: say so, go on
+                log.error("engine: undecodable message from a front end: %s", exc)
+                continue
+            if isinstance(msg, Requests):
+                found = self._held(msg)
+                if found is not None:
+                    ready.append((ident, msg, found))
+                    continue
                 task = asyncio.ensure_future(self._infer_after_parsing(ident, msg))
                 self._track(ident, msg.id, _InFlight(task, len(msg.counts) // 4))
-            else:
-                self._submit(ident, msg, found)
-        elif isinstance(msg, Cancel):
-            self._cancel(ident, msg.id)
-        elif isinstance(msg, Hello):
-            self._send(ident, self.info)
+            elif isinstance(msg, Cancel):
+                self._submit(ready)
+                ready = []
+                self._cancel(ident, msg.id)
+            elif isinstance(msg, Hello):
+                self._send(ident, self.info)
+        self._submit(ready)
 
     def _cancel(self, ident: bytes, rid: int) -> None:
         """Drop the rows of request ``rid`` that have not run (its message goes on: the others still wait)."""
@@ -157,9 +213,10 @@ class EngineServer:
                 self.engine.batcher.wake()
                 return
 
-    def _send(self, ident: bytes, msg: Info | Results | Missing | Failed) -> None:
+    def _send(self, ident: bytes, *msgs: Info | Results | Missing | Failed) -> None:
+        """Send ``msgs`` to front end ``ident`` as one message, a frame each."""
         assert self._channel is not None
-        self._channel.send([ident, encode(msg)])  # a ROUTER drops what it cannot deliver (a gone front end)
+        self._channel.send([ident, *map(encode, msgs)])  # a ROUTER drops what it cannot deliver (a gone front end)
 
     def _track(self, ident: bytes, rid: int, m: _InFlight) -> None:
         key = (ident, rid)
@@ -172,53 +229,110 @@ class EngineServer:
             return None
         return self.cache.get_all(pid for pid in msg.keys if pid != BASE_KEY)
 
-    def _submit(self, ident: bytes, msg: Requests, patches: dict[str, Patch]) -> None:
-        try:
-            block, counts = unpack_requests(msg, patches)
-        except ValueError as exc:
-            self._send(ident, Failed(msg.id, 400, f"a malformed message: {exc}"))
+    def _submit(self, ready: list[Ready]) -> None:
+        """Queue the requests of ``ready`` (messages whose patches are all at hand) as one job: the batcher's work and
+        this loop's grow with the turns that brought messages, not with each message. Requests past the queue's
+        room are refused (503), the rest of their message is taken."""
+        if not ready:
             return
+        try:
+            unpacked = self._unpack(ready)
+            if unpacked is not None:
+                self._queue(*unpacked)
+        except Exception as exc:  # a bug: fail what was not answered, never leave it waiting
+            log.exception("engine: %d messages could not be queued", len(ready))
+            for ident, msg, _ in ready:
+                if (ident, msg.id) not in self._inflight:
+                    self._send(ident, Failed(msg.id, 500, f"the engine failed to queue the request: {exc}"))
+
+    def _unpack(self, ready: list[Ready]) -> tuple[list[Ready], RowBlock, np.ndarray] | None:
+        """The well-formed messages of ``ready``, their rows as one block and each request's row count. A malformed
+        message is answered 400 and left out; None: nothing is left to queue together."""
+        if len(ready) == 1:
+            ident, msg, patches = ready[0]
+            try:
+                return ready, *unpack_requests(msg, patches)
+            except ValueError as exc:
+                self._send(ident, Failed(msg.id, 400, f"a malformed message: {exc}"))
+                return None
+        found: dict[str, Patch] = {}
+        for _, _, patches in ready:
+            found.update(patches)
+        grouped = unpack_request_group([msg for _, msg, _ in ready], found)
+        if grouped is not None:
+            return ready, *grouped
+        good = [item for item in ready if self._unpack([item]) is not None]  # each alone: the bad ones get a 400
+        if len(good) < len(ready):
+            return self._unpack(good) if good else None
+        for item in good:  # all well-formed, one without rows: each alone
+            alone = self._unpack([item])
+            if alone is not None:
+                self._queue(*alone)
+        return None
+
+    def _queue(self, ready: list[Ready], block: RowBlock, counts: np.ndarray) -> None:
+        """Queue ``block`` (the rows of ``ready``) as one job, as far as the queue has room."""
         bounds = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=bounds[1:])
         batcher = self.engine.batcher
-        fit = int(np.searchsorted(bounds, batcher.max_queue_rows - batcher.queued_rows, side="right")) - 1
+        queued = batcher.queued_rows
+        fit = int(np.searchsorted(bounds, batcher.max_queue_rows - queued, side="right")) - 1
         if fit < len(counts):  # the queue has room for the first `fit` requests only: refuse the others (503)
-            if fit <= 0:
-                self._send(ident, Failed(msg.id, 503, f"{batcher.queued_rows} rows are queued; retry shortly"))
-                return
-            block, counts, bounds = block.take(np.arange(bounds[fit])), counts[:fit], bounds[: fit + 1]
-        job = batcher.submit(block)
-        parsed = self._inflight.get((ident, msg.id))
-        m = _InFlight(job.future, len(counts), job, bounds, refused=len(msg.counts) // 4 - len(counts))
-        for i in [] if parsed is None else parsed.dropped:
-            if i < len(counts):
-                m.drop(i)
-        self._track(ident, msg.id, m)
-        job.on_progress = functools.partial(self._progress, ident, msg.id, m)
-        job.future.add_done_callback(functools.partial(self._answer, ident, msg.id, m))
+            block, bounds = block.take(np.arange(bounds[fit])), bounds[: fit + 1]
+        job = batcher.submit(block) if fit > 0 else None
+        members: list[tuple[bytes, int, _InFlight]] = []
+        start = 0
+        for ident, msg, _ in ready:
+            n = len(msg.counts) // 4
+            taken = min(max(fit - start, 0), n)
+            if n == 0:
+                continue  # no request, nothing to answer
+            if job is None or taken == 0:
+                self._send(ident, Failed(msg.id, 503, f"{queued} rows are queued; retry shortly"))
+            else:
+                m = _InFlight(job.future, taken, job, bounds, base=start, refused=n - taken)
+                parsed = self._inflight.get((ident, msg.id))
+                for i in [] if parsed is None else parsed.dropped:
+                    if i < taken:
+                        m.drop(i)
+                self._inflight[ident, msg.id] = m
+                members.append((ident, msg.id, m))
+            start += n
+        if job is None:
+            return
+        group = _Group(members, bounds.tolist())
+        job.on_progress = functools.partial(self._progress, group)
+        job.future.add_done_callback(functools.partial(self._answer, group))
 
-    def _progress(self, ident: bytes, rid: int, m: _InFlight, job: Job) -> None:
-        """A batch finished: answer the requests of the message whose rows have all run (they finish in order)."""
-        assert m.bounds is not None
-        k = int(np.searchsorted(m.bounds, job.done, side="right")) - 1
-        if k > m.answered:
-            outputs = job.collect(int(m.bounds[k]))
-            self._send(ident, results_message(rid, m.answered, k - m.answered, outputs, m.refused))
-            m.answered = k
+    def _progress(self, group: _Group, job: Job) -> None:
+        """A batch finished: answer the requests whose rows have all run (they finish in order). The answers wait
+        in the outbox until every job of the batch was told: each front end gets one message a batch."""
+        k = bisect.bisect_right(group.bounds, job.done) - 1
+        if k > group.answered:
+            for ident, answers in group.pieces(k, job.collect(group.bounds[k])).items():
+                self._outbox.setdefault(ident, []).extend(answers)
 
-    def _answer(self, ident: bytes, rid: int, m: _InFlight, done: asyncio.Future[RowOutputs]) -> None:
+    def _send_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for ident, answers in outbox.items():
+            self._send(ident, *answers)
+
+    def _answer(self, group: _Group, done: asyncio.Future[RowOutputs]) -> None:
+        for ident, rid, m in group.members:  # the job's messages are no longer in flight
+            if self._inflight.get((ident, rid)) is m:
+                del self._inflight[ident, rid]
         if done.cancelled():
             return  # nobody waits for an answer
         exc = done.exception()
         if exc is None:  # what _progress did not answer yet (requests whose rows were all dropped)
-            if m.answered < m.n_requests or (m.refused and not m.answered):
-                outputs = done.result()
-                self._send(ident, results_message(rid, m.answered, m.n_requests - m.answered, outputs, m.refused))
-                m.answered = m.n_requests
-        elif isinstance(exc, SlotsExhaustedError):
-            self._send(ident, Failed(rid, 503, f"{exc}; retry shortly"))
-        else:  # a failed batch fails its requests, never the engine (the batcher has logged it)
-            self._send(ident, Failed(rid, 500, f"the engine failed to run the request: {exc}"))
+            for ident, answers in group.pieces(len(group.bounds) - 1, done.result()).items():
+                self._send(ident, *answers)
+            return
+        for ident, rid, _ in group.members[group.cursor :]:
+            if isinstance(exc, SlotsExhaustedError):
+                self._send(ident, Failed(rid, 503, f"{exc}; retry shortly"))
+            else:  # a failed batch fails its requests, never the engine (the batcher has logged it)
+                self._send(ident, Failed(rid, 500, f"the engine failed to run the request: {exc}"))
 
     async def _infer_after_parsing(self, ident: bytes, msg: Requests) -> None:
         try:
@@ -229,7 +343,7 @@ class EngineServer:
         if isinstance(patches, Missing):
             self._send(ident, patches)
             return
-        self._submit(ident, msg, patches)
+        self._submit([(ident, msg, patches)])
         running = self._inflight.get((ident, msg.id))
         if running is not None:  # keep this task in flight until the answer is out
             with contextlib.suppress(asyncio.CancelledError):

@@ -9,6 +9,9 @@ turn of its event loop, rows as arrays; answered by ``Results`` as its requests 
 before they reach the device). A row names its patch by id; the engine keeps the patches it was sent in a cache of
 its own, so a front end sends a patch's bytes once, with the first request that needs it, and again only when the
 engine answers ``Missing`` (it restarted, or evicted the patch).
+
+Engine -> front end: one ZeroMQ message may carry several of its answers, a frame each (a batch's ``Results`` for one
+front end go out together).
 """
 
 from __future__ import annotations

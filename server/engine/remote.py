@@ -22,7 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from patchserve.patches.format import Patch
 from patchserve.server.engine.batcher import OverloadedError
-from patchserve.server.engine.channel import Channel
+from patchserve.server.engine.channel import Channel, each
 from patchserve.server.engine.protocol import (
     Cancel,
     EngineError,
@@ -94,9 +94,9 @@ class RemoteEngine:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = Channel(sock.get_monitor_socket(_EVENTS), self._on_event)
+        self._monitor = Channel(sock.get_monitor_socket(_EVENTS), each(self._on_event))
         sock.connect(self.address)
-        self._channel = Channel(sock, self._on_message)
+        self._channel = Channel(sock, each(self._on_message))
         self._hello = asyncio.ensure_future(self._greet())
         async with asyncio.timeout(timeout):
             await self._got_info.wait()
@@ -179,7 +179,14 @@ class RemoteEngine:
         return True
 
     def _on_message(self, frames: list[bytes]) -> None:
-        msg = from_engine.decode(frames[-1])
+        """One message from the engine: one answer a frame (it sends every answer it has for this front end at once)."""
+        for frame in frames:
+            try:
+                self._on_answer(from_engine.decode(frame))
+            except Exception:  # one bad answer must not strand the others of its message
+                log.exception("an answer from the engine could not be handled")
+
+    def _on_answer(self, msg: Info | Results | Missing | Failed) -> None:
         if isinstance(msg, Info):
             if self.info is None or msg.engine_id != self.info.engine_id:
                 self._known.clear()  # a new engine process holds no patches yet

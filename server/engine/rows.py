@@ -11,7 +11,7 @@ and the answers go back as one array per message. Python work grows with message
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -221,7 +221,8 @@ def unpack_requests(msg: Requests, patches: dict[str, Patch]) -> tuple[RowBlock,
     embed = np.frombuffer(msg.embed, dtype=np.uint8).astype(bool)
     n_rows = len(lengths)
     if (
-        int(counts.sum()) != n_rows
+        (len(counts) and int(counts.min()) < 0)
+        or int(counts.sum()) != n_rows
         or len(row_keys) != n_rows
         or len(embed) != n_rows
         or int(lengths.sum()) != len(tokens)
@@ -238,6 +239,60 @@ def unpack_requests(msg: Requests, patches: dict[str, Patch]) -> tuple[RowBlock,
         else:
             remap[j], at = at, at + 1
     block = RowBlock(tokens.astype(np.int32), types.astype(np.int32), lengths, remap[row_keys], listed, embed)
+    return block, counts
+
+
+def unpack_request_group(msgs: Sequence[Requests], patches: Mapping[str, Patch]) -> tuple[RowBlock, np.ndarray] | None:
+    """The rows of several messages as one block, in their order (``patches``: those their keys name, BASE_KEY
+    aside), and each request's row count: array operations for the group, Python only per message and patch id.
+    None when a message's arrays do not agree, or one has no rows (``unpack_requests`` each alone says which)."""
+    n_rows, n_keys, n_tokens = [], [], []
+    for m in msgs:
+        q, r, t = len(m.counts), len(m.lengths), len(m.tokens)
+        if not q or not r or (q | r | t) % 4 or len(m.row_keys) != r or 4 * len(m.embed) != r or len(m.types) != t:
+            return None
+        n_rows.append(r // 4)
+        n_keys.append(len(m.keys))
+        n_tokens.append(t // 4)
+    counts = np.frombuffer(b"".join(m.counts for m in msgs), dtype="<i4").astype(np.int64)
+    lengths = np.frombuffer(b"".join(m.lengths for m in msgs), dtype="<i4").astype(np.int64)
+    row_keys = np.frombuffer(b"".join(m.row_keys for m in msgs), dtype="<i4").astype(np.int64)
+    rows_of = np.asarray(n_rows, dtype=np.int64)
+    row_starts = np.cumsum(rows_of) - rows_of
+    requests_of = np.asarray([len(m.counts) // 4 for m in msgs], dtype=np.int64)
+    request_starts = np.cumsum(requests_of) - requests_of
+    key_limit = np.repeat(np.asarray(n_keys, dtype=np.int64), rows_of)
+    if (
+        int(counts.min()) < 0
+        or int(lengths.min()) < 1
+        or int(row_keys.min()) < 0
+        or bool((row_keys >= key_limit).any())
+        or not np.array_equal(np.add.reduceat(counts, request_starts), rows_of)
+        or not np.array_equal(np.add.reduceat(lengths, row_starts), n_tokens)
+    ):
+        return None
+    index: dict[str, int] = {}
+    listed: list[Patch] = []
+    remap: list[int] = []  # every message's keys in turn -> the block's patch index (-1: the base encoder)
+    for m in msgs:
+        for k in m.keys:
+            if k == BASE_KEY:
+                remap.append(-1)
+                continue
+            i = index.get(k)
+            if i is None:
+                i = index[k] = len(listed)
+                listed.append(patches[k])
+            remap.append(i)
+    key_starts = np.repeat(np.cumsum(n_keys) - np.asarray(n_keys), rows_of)
+    block = RowBlock(
+        np.frombuffer(b"".join(m.tokens for m in msgs), dtype="<i4").astype(np.int32),
+        np.frombuffer(b"".join(m.types for m in msgs), dtype="<i4").astype(np.int32),
+        lengths,
+        np.asarray(remap, dtype=np.int64)[row_keys + key_starts],
+        listed,
+        np.frombuffer(b"".join(m.embed for m in msgs), dtype=np.uint8).astype(bool),
+    )
     return block, counts
 
 
