@@ -218,8 +218,8 @@ def render(jsonl: Path) -> None:
             (c for c in cells if (c["rows"], _bound(c), _per_message(c)) == (k, bound, m)),
             key=lambda c: c["outstanding"],
         )
-        label = f"{k} rows a request" + (f", batches {bound}" if several else "")
-        label += f", {m} requests a message" if messages else ""
+        label = f"{k} row{'s' if k != 1 else ''} a request" + (f", batches {bound}" if several else "")
+        label += f", {m} request{'s' if m != '1' else ''} a message" if messages else ""
         ax.plot([c["outstanding"] for c in mine], [c["ratio"] for c in mine], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="rows in flight", ylabel="engine process / engine alone", ylim=(0, 1.05))
