@@ -139,10 +139,10 @@ class _Group:
 class EngineServer:
     """Serves one ``LocalEngine`` to the front ends connected to a ROUTER socket.
 
-    A message whose patches are all at hand goes to the batcher straight from the receive callback as one job, and
-    its requests are answered from the batcher's callbacks as they finish, batch by batch: no task per message, and
-    no Python per row. One that
-    brings patch bytes waits for them to be parsed (off the loop) first."""
+    The messages whose patches are all at hand, of all those the socket held at once, go to the batcher straight
+    from the receive callback as one job; their requests are answered from the batcher's callbacks as they finish,
+    batch by batch, each front end's answers of a batch in one message: no task per message, and no Python per row.
+    One that brings patch bytes waits for them to be parsed (off the loop) first."""
 
     def __init__(self, engine: LocalEngine, spec: BaseSpec, info: Info, cache: PatchCache, max_patch_bytes: int):
         self.engine = engine
