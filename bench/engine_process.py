@@ -58,7 +58,7 @@ from bench.http import EngineAlone, device_name
 from patchserve.patches.encoder import load_encoder
 from patchserve.patches.format import Patch
 from patchserve.patches.synthetic import random_patch
-from patchserve.server.engine.protocol import Hello, Requests, Results, Row, encode, from_engine
+from patchserve.server.engine.protocol import Answers, Hello, Requests, Results, Row, encode, from_engine
 from patchserve.server.engine.remote import MAX_MESSAGE_ROWS
 from patchserve.server.engine.rows import pack_requests
 from patchserve.server.settings import ServerSettings
@@ -126,15 +126,18 @@ class Client:
         self.next_id += requests
 
     def _answered(self) -> int:
-        """Requests answered by the next answer, which must be results (a failure or ``Missing`` would make the
-        figures meaningless)."""
+        """Requests answered by the next message (``Results``, or several in ``Answers``), which must be results (a
+        failure or ``Missing`` would make the figures meaningless)."""
         answer = from_engine.decode(self.sock.recv())
-        if not isinstance(answer, Results) or answer.refused:
-            raise RuntimeError(f"the engine answered {type(answer).__name__}: {getattr(answer, 'message', '')}")
-        self.sizes[answer.id] -= answer.count
-        if not self.sizes[answer.id]:
-            del self.sizes[answer.id]
-        return answer.count
+        done = 0
+        for results in answer.items if isinstance(answer, Answers) else [answer]:
+            if not isinstance(results, Results) or results.refused:
+                raise RuntimeError(f"the engine answered {type(results).__name__}: {getattr(results, 'message', '')}")
+            self.sizes[results.id] -= results.count
+            if not self.sizes[results.id]:
+                del self.sizes[results.id]
+            done += results.count
+        return done
 
     def ask(self, payload: bytes) -> None:
         self.sock.send(payload)

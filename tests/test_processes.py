@@ -382,7 +382,9 @@ def test_requests_of_one_turn_go_out_as_one_message(tmp_path, tiny_bert_dir, tin
         # in the engine: a Cancel drops that request's rows of its message, and only those
         answers = []
         send = server._send
-        server._send = lambda ident, *msgs: answers.extend(msgs) if ident == b"peer" else send(ident, *msgs)
+        server._send = lambda ident, msg: (
+            answers.extend(getattr(msg, "items", [msg])) if ident == b"peer" else send(ident, msg)
+        )
         server._on_message([b"peer", encode(pack_requests(100, requests[:3], {}))])
         server._on_message([b"peer", encode(Cancel(101))])
         await server._inflight[b"peer", 100].future
@@ -408,7 +410,7 @@ def test_messages_that_arrive_together_run_as_one_job_and_each_front_end_gets_on
 ):
     """Every message the engine's socket holds when its loop gets to it is queued as one job (its Python work grows
     with the turns that brought messages, not with each message), and a batch's answers for one front end go out as
-    one ZeroMQ message, an answer a frame. Each message is still answered as its own: its requests' outputs as the
+    one message (``Answers``). Each message is still answered as its own: its requests' outputs as the
     engine in process gives them; a malformed one 400 and the others unharmed; the queue's room cut across messages
     (the first requests taken, the rest refused); a Cancel after its request in the same batch drops its rows."""
     import msgspec
@@ -443,7 +445,7 @@ def test_messages_that_arrive_together_run_as_one_job_and_each_front_end_gets_on
         async with _engine_in_process(tmp_path, settings, cache) as (server, remote):
             sent: list[tuple[bytes, list]] = []
             send, max_rows = server._send, remote_module.MAX_MESSAGE_ROWS
-            server._send = lambda ident, *msgs: sent.append((ident, list(msgs)))  # type: ignore[method-assign]
+            server._send = lambda ident, msg: sent.append((ident, list(getattr(msg, "items", [msg]))))
             batch = [(b"a", pack_requests(10, a1, {})), (b"b", pack_requests(20, b1, {})), (b"b", bad)]
             batch.append((b"a", pack_requests(40, a2, {})))
             server._on_messages([[ident, encode(msg)] for ident, msg in batch])
@@ -460,9 +462,9 @@ def test_messages_that_arrive_together_run_as_one_job_and_each_front_end_gets_on
             two_jobs = len(sent)
             await server._inflight[b"d", 70].future
             # a real front end, two messages in one turn (a message's row cap is 4 here), both in the engine's
-            # socket before its loop looks: one answer of two frames, which the front end takes frame by frame
-            frames: list[int] = []
-            server._send = lambda ident, *msgs: (frames.append(len(msgs)), send(ident, *msgs))  # type: ignore
+            # socket before its loop looks: one Answers of two, which the front end takes answer by answer
+            together: list[int] = []
+            server._send = lambda ident, msg: (together.append(len(getattr(msg, "items", [msg]))), send(ident, msg))
             loop, channel = asyncio.get_running_loop(), server._channel
             remote_module.MAX_MESSAGE_ROWS = 4
             loop.remove_reader(channel._fd)
@@ -474,11 +476,11 @@ def test_messages_that_arrive_together_run_as_one_job_and_each_front_end_gets_on
                 over_remote = await calls
             finally:
                 remote_module.MAX_MESSAGE_ROWS = max_rows
-            return queued, sent[:before], sent[before:two_jobs], sent[two_jobs:], frames, over_remote
+            return queued, sent[:before], sent[before:two_jobs], sent[two_jobs:], together, over_remote
 
-    queued, sent, cancelled, two_jobs, frames, over_remote = asyncio.run(scenario())
+    queued, sent, cancelled, two_jobs, together, over_remote = asyncio.run(scenario())
     assert [(ident, [m.id for m in msgs]) for ident, msgs in two_jobs] == [(b"d", [60, 70])]
-    assert frames == [2]
+    assert together == [2]
     for outputs, requests in zip(over_remote, a2[:2], strict=True):
         np.testing.assert_allclose(np.concatenate([o.ravel() for o in outputs]), want([requests]), rtol=1e-5, atol=1e-5)
     assert queued == [14], "the messages that arrived together were not queued as one job"

@@ -45,6 +45,7 @@ from patchserve.server.engine.local import LocalEngine
 from patchserve.server.engine.patch_cache import PatchCache
 from patchserve.server.engine.protocol import (
     BASE_KEY,
+    Answers,
     Cancel,
     Failed,
     Hello,
@@ -213,10 +214,12 @@ class EngineServer:
                 self.engine.batcher.wake()
                 return
 
-    def _send(self, ident: bytes, *msgs: Info | Results | Missing | Failed) -> None:
-        """Send ``msgs`` to front end ``ident`` as one message, a frame each."""
+    def _send(self, ident: bytes, msg: Info | Results | Answers | Missing | Failed) -> None:
         assert self._channel is not None
-        self._channel.send([ident, *map(encode, msgs)])  # a ROUTER drops what it cannot deliver (a gone front end)
+        self._channel.send([ident, encode(msg)])  # a ROUTER drops what it cannot deliver (a gone front end)
+
+    def _send_answers(self, ident: bytes, answers: list[Results]) -> None:
+        self._send(ident, answers[0] if len(answers) == 1 else Answers(answers))
 
     def _track(self, ident: bytes, rid: int, m: _InFlight) -> None:
         key = (ident, rid)
@@ -315,7 +318,7 @@ class EngineServer:
     def _send_outbox(self) -> None:
         outbox, self._outbox = self._outbox, {}
         for ident, answers in outbox.items():
-            self._send(ident, *answers)
+            self._send_answers(ident, answers)
 
     def _answer(self, group: _Group, done: asyncio.Future[RowOutputs]) -> None:
         for ident, rid, m in group.members:  # the job's messages are no longer in flight
@@ -326,7 +329,7 @@ class EngineServer:
         exc = done.exception()
         if exc is None:  # what _progress did not answer yet (requests whose rows were all dropped)
             for ident, answers in group.pieces(len(group.bounds) - 1, done.result()).items():
-                self._send(ident, *answers)
+                self._send_answers(ident, answers)
             return
         for ident, rid, _ in group.members[group.cursor :]:
             if isinstance(exc, SlotsExhaustedError):

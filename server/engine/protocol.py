@@ -10,8 +10,8 @@ before they reach the device). A row names its patch by id; the engine keeps the
 its own, so a front end sends a patch's bytes once, with the first request that needs it, and again only when the
 engine answers ``Missing`` (it restarted, or evicted the patch).
 
-Engine -> front end: one ZeroMQ message may carry several of its answers, a frame each (a batch's ``Results`` for one
-front end go out together).
+Engine -> front end: ``Info``, ``Results``, ``Missing``, ``Failed``, and ``Answers``: the ``Results`` of several
+messages at once (a batch's answers for one front end go out as one message).
 """
 
 from __future__ import annotations
@@ -122,6 +122,13 @@ class Results(msgspec.Struct, tag="results", array_like=True, frozen=True):
     refused: int = 0
 
 
+class Answers(msgspec.Struct, tag="answers", array_like=True, frozen=True):
+    """Several ``Results`` in one message (a batch's answers for one front end): one encoding and one send for all
+    of them, where a frame each cost ~2.4 µs an answer more between the two processes."""
+
+    items: list[Results]
+
+
 class Missing(msgspec.Struct, tag="missing", array_like=True, frozen=True):
     """The engine holds none of these patches: send the ``Requests`` message again with their bytes."""
 
@@ -139,7 +146,7 @@ class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
 
 
 ToEngine = Hello | Requests | Cancel
-FromEngine = Info | Results | Missing | Failed
+FromEngine = Info | Results | Answers | Missing | Failed
 
 encode = msgspec.msgpack.Encoder().encode
 to_engine = msgspec.msgpack.Decoder(ToEngine)

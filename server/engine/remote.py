@@ -24,6 +24,7 @@ from patchserve.patches.format import Patch
 from patchserve.server.engine.batcher import OverloadedError
 from patchserve.server.engine.channel import Channel, each
 from patchserve.server.engine.protocol import (
+    Answers,
     Cancel,
     EngineError,
     EngineUnavailableError,
@@ -179,11 +180,14 @@ class RemoteEngine:
         return True
 
     def _on_message(self, frames: list[bytes]) -> None:
-        """One message from the engine: one answer a frame (it sends every answer it has for this front end at once)."""
-        for frame in frames:
+        msg = from_engine.decode(frames[-1])
+        if not isinstance(msg, Answers):
+            self._on_answer(msg)
+            return
+        for results in msg.items:  # a batch's answers for this front end
             try:
-                self._on_answer(from_engine.decode(frame))
-            except Exception:  # one bad answer must not strand the others of its message
+                self._on_answer(results)
+            except Exception:  # one bad answer must not strand the others
                 log.exception("an answer from the engine could not be handled")
 
     def _on_answer(self, msg: Info | Results | Missing | Failed) -> None:
