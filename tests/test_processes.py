@@ -385,8 +385,8 @@ def test_requests_of_one_turn_go_out_as_one_message(tmp_path, tiny_bert_dir, tin
         server._send = lambda ident, msg: (
             answers.extend(getattr(msg, "items", [msg])) if ident == b"peer" else send(ident, msg)
         )
-        server._on_message([b"peer", encode(pack_requests(100, requests[:3], {}))])
-        server._on_message([b"peer", encode(Cancel(101))])
+        server._on_messages([[b"peer", encode(pack_requests(100, requests[:3], {}))]])
+        server._on_messages([[b"peer", encode(Cancel(101))]])
         await server._inflight[b"peer", 100].future
         dropped = np.concatenate([np.frombuffer(a.sizes, "<i4") for a in sorted(answers, key=lambda a: a.first)])
         assert sum(a.count for a in answers) == 3

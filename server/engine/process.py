@@ -60,7 +60,6 @@ from patchserve.server.engine.rows import (
     RowBlock,
     RowOutputs,
     results_message,
-    unpack_request_group,
     unpack_requests,
 )
 from patchserve.server.engine.slots import SlotsExhaustedError
@@ -177,9 +176,6 @@ class EngineServer:
             self._channel.close()
             ctx.term()
 
-    def _on_message(self, frames: list[bytes]) -> None:
-        self._on_messages([frames])
-
     def _on_messages(self, batch: list[list[bytes]]) -> None:
         """Every message the socket held: the requests whose patches are all at hand go to the batcher together, as
         one job (a Cancel is taken after the requests before it)."""
@@ -250,27 +246,19 @@ class EngineServer:
 
     def _unpack(self, ready: list[Ready]) -> tuple[list[Ready], RowBlock, np.ndarray] | None:
         """The well-formed messages of ``ready``, their rows as one block and each request's row count. A malformed
-        message is answered 400 and left out; None: nothing is left to queue together."""
-        if len(ready) == 1:
-            ident, msg, patches = ready[0]
-            try:
-                return ready, *unpack_requests(msg, patches)
-            except ValueError as exc:
-                self._send(ident, Failed(msg.id, 400, f"a malformed message: {exc}"))
-                return None
+        message is answered 400 and left out; None: nothing is left to queue."""
         found: dict[str, Patch] = {}
         for _, _, patches in ready:
             found.update(patches)
-        grouped = unpack_request_group([msg for _, msg, _ in ready], found)
-        if grouped is not None:
-            return ready, *grouped
-        good = [item for item in ready if self._unpack([item]) is not None]  # each alone: the bad ones get a 400
-        if len(good) < len(ready):
+        unpacked = unpack_requests([msg for _, msg, _ in ready], found)
+        if unpacked is not None:
+            return ready, *unpacked
+        if len(ready) > 1:  # one of them is malformed: each alone, so the bad ones get their 400
+            good = [item for item in ready if self._unpack([item]) is not None]
+            assert len(good) < len(ready), "the messages unpack alone but not together"
             return self._unpack(good) if good else None
-        for item in good:  # all well-formed, one without rows: each alone
-            alone = self._unpack([item])
-            if alone is not None:
-                self._queue(*alone)
+        ident, msg, _ = ready[0]
+        self._send(ident, Failed(msg.id, 400, "a malformed message: the message's arrays do not agree with each other"))
         return None
 
     def _queue(self, ready: list[Ready], block: RowBlock, counts: np.ndarray) -> None:
@@ -287,9 +275,9 @@ class EngineServer:
         start = 0
         for ident, msg, _ in ready:
             n = len(msg.counts) // 4
-            taken = min(max(fit - start, 0), n)
             if n == 0:
                 continue  # no request, nothing to answer
+            taken = min(max(fit - start, 0), n)
             if job is None or taken == 0:
                 self._send(ident, Failed(msg.id, 503, f"{queued} rows are queued; retry shortly"))
             else:

@@ -210,65 +210,40 @@ def pack_requests(first_id: int, requests: Sequence[Sequence[Row]], patch_bytes:
     )
 
 
-def unpack_requests(msg: Requests, patches: dict[str, Patch]) -> tuple[RowBlock, np.ndarray]:
-    """The rows of ``msg`` as a block (``patches``: those its keys name, BASE_KEY aside) and each request's row
-    count. Raises ValueError for a message whose arrays do not agree (a bug or a stranger on the socket)."""
-    counts = np.frombuffer(msg.counts, dtype="<i4").astype(np.int64)
-    lengths = np.frombuffer(msg.lengths, dtype="<i4").astype(np.int64)
-    tokens = np.frombuffer(msg.tokens, dtype="<i4")
-    types = np.frombuffer(msg.types, dtype="<i4")
-    row_keys = np.frombuffer(msg.row_keys, dtype="<i4")
-    embed = np.frombuffer(msg.embed, dtype=np.uint8).astype(bool)
-    n_rows = len(lengths)
-    if (
-        (len(counts) and int(counts.min()) < 0)
-        or int(counts.sum()) != n_rows
-        or len(row_keys) != n_rows
-        or len(embed) != n_rows
-        or int(lengths.sum()) != len(tokens)
-        or len(types) != len(tokens)
-        or (n_rows and (int(row_keys.min()) < 0 or int(row_keys.max()) >= len(msg.keys) or int(lengths.min()) < 1))
-    ):
-        raise ValueError("the message's arrays do not agree with each other")
-    listed = [patches[k] for k in msg.keys if k != BASE_KEY]
-    remap = np.empty(len(msg.keys), dtype=np.int64)
-    at = 0
-    for j, k in enumerate(msg.keys):
-        if k == BASE_KEY:
-            remap[j] = -1
-        else:
-            remap[j], at = at, at + 1
-    block = RowBlock(tokens.astype(np.int32), types.astype(np.int32), lengths, remap[row_keys], listed, embed)
-    return block, counts
+def _run_sums(values: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """The sum of each run of ``runs[i]`` consecutive ``values`` (an empty run sums to 0)."""
+    at = np.zeros(len(runs) + 1, dtype=np.int64)
+    np.cumsum(runs, out=at[1:])
+    total = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=total[1:])
+    return total[at[1:]] - total[at[:-1]]
 
 
-def unpack_request_group(msgs: Sequence[Requests], patches: Mapping[str, Patch]) -> tuple[RowBlock, np.ndarray] | None:
-    """The rows of several messages as one block, in their order (``patches``: those their keys name, BASE_KEY
-    aside), and each request's row count: array operations for the group, Python only per message and patch id.
-    None when a message's arrays do not agree, or one has no rows (``unpack_requests`` each alone says which)."""
-    n_rows, n_keys, n_tokens = [], [], []
+def unpack_requests(msgs: Sequence[Requests], patches: Mapping[str, Patch]) -> tuple[RowBlock, np.ndarray] | None:
+    """The rows of ``msgs`` (one message or several, taken together) as one block in their order (``patches``: those
+    their keys name, BASE_KEY aside) and each request's row count: array operations for all of them, Python only per
+    message and patch id. None when a message's arrays do not agree with each other (a bug or a stranger on the
+    socket; unpack each alone to learn which)."""
+    n_rows, n_requests, n_keys, n_tokens = [], [], [], []
     for m in msgs:
         q, r, t = len(m.counts), len(m.lengths), len(m.tokens)
-        if not q or not r or (q | r | t) % 4 or len(m.row_keys) != r or 4 * len(m.embed) != r or len(m.types) != t:
+        if (q | r | t) % 4 or len(m.row_keys) != r or 4 * len(m.embed) != r or len(m.types) != t:
             return None
         n_rows.append(r // 4)
+        n_requests.append(q // 4)
         n_keys.append(len(m.keys))
         n_tokens.append(t // 4)
     counts = np.frombuffer(b"".join(m.counts for m in msgs), dtype="<i4").astype(np.int64)
     lengths = np.frombuffer(b"".join(m.lengths for m in msgs), dtype="<i4").astype(np.int64)
     row_keys = np.frombuffer(b"".join(m.row_keys for m in msgs), dtype="<i4").astype(np.int64)
     rows_of = np.asarray(n_rows, dtype=np.int64)
-    row_starts = np.cumsum(rows_of) - rows_of
-    requests_of = np.asarray([len(m.counts) // 4 for m in msgs], dtype=np.int64)
-    request_starts = np.cumsum(requests_of) - requests_of
     key_limit = np.repeat(np.asarray(n_keys, dtype=np.int64), rows_of)
     if (
-        int(counts.min()) < 0
-        or int(lengths.min()) < 1
-        or int(row_keys.min()) < 0
+        (len(counts) and int(counts.min()) < 0)
+        or (len(lengths) and (int(lengths.min()) < 1 or int(row_keys.min()) < 0))
         or bool((row_keys >= key_limit).any())
-        or not np.array_equal(np.add.reduceat(counts, request_starts), rows_of)
-        or not np.array_equal(np.add.reduceat(lengths, row_starts), n_tokens)
+        or not np.array_equal(_run_sums(counts, np.asarray(n_requests)), rows_of)
+        or not np.array_equal(_run_sums(lengths, rows_of), n_tokens)
     ):
         return None
     index: dict[str, int] = {}
