@@ -24,8 +24,11 @@ COPY trainer ./trainer
 COPY patchserve ./patchserve
 # hadolint ignore=DL3013
 RUN pip install ".[plot]"
-# Load the default encoder once: proves it is baked in and caches its fingerprint for fast starts.
+# Load the default encoder once: proves it is baked in and caches its fingerprint for fast starts. Outside /src:
+# there ./patchserve (the source folder, whose patches/, server/ and trainer/ live beside it) would come first on
+# sys.path and hide the installed package's patchserve.patches.
 ENV XDG_CACHE_HOME=/opt/patchserve/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+WORKDIR /
 RUN python -c "from patchserve.patches.encoder import load_encoder; print(load_encoder('default').fingerprint)"
 
 FROM python:${PYTHON_VERSION}-slim AS runtime

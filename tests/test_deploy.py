@@ -77,6 +77,27 @@ def test_dockerfile_lints_clean():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_dockerfile_imports_the_installed_package_not_the_copied_source():
+    """`python -c` puts its working directory first on sys.path: run where the source's patchserve/ was copied, it
+    imports that folder, which has no patches/ under it (pyproject maps them in), and the build fails (it did from
+    2026-11-27 until scripts/docker-smoke caught it). Every RUN that imports patchserve must run elsewhere."""
+    workdir, copied, checked = "/", set(), 0
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "FROM":
+            workdir, copied = "/", set()
+        elif words[0] == "WORKDIR":
+            workdir = words[1]
+        elif words[0] == "COPY" and words[-1].rstrip("/") == "./patchserve":
+            copied.add(workdir)
+        elif words[0] == "RUN" and "import" in line and "patchserve" in line:
+            checked += 1
+            assert workdir not in copied, f"{line.strip()!r} runs in {workdir}, beside the copied patchserve/ source"
+    assert checked, "the Dockerfile no longer imports patchserve at build time: drop this test"
+
+
 def test_kubernetes_manifests_validate_strictly():
     manifests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
     assert len(manifests) >= 4
