@@ -87,8 +87,8 @@ def registry_url(tmp_path, tiny_encoder) -> str:
     return url
 
 
-def _predict(base: str, task: str, inputs, **kw) -> httpx.Response:
-    return httpx.post(f"{base}/tasks/{task}/predict", json={"inputs": inputs, **kw}, timeout=30)
+def _predict(base: str, task: str, inputs, timeout: float = 30, **kw) -> httpx.Response:
+    return httpx.post(f"{base}/tasks/{task}/predict", json={"inputs": inputs, **kw}, timeout=timeout)
 
 
 def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, tiny_encoder, registry_url):
@@ -224,7 +224,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path, tiny_bert_dir, registr
         big = [long_text] * 128
 
         def ask() -> None:  # the client waits longer than the server's grace: a cut request shows as a failure
-            answers.append(httpx.post(f"{server.base}/tasks/sent/predict", json={"inputs": big}, timeout=120))
+            answers.append(_predict(server.base, "sent", big, timeout=120))
 
         def metric(name: str) -> float:
             text = httpx.get(f"{server.base}/metrics", timeout=10).text
