@@ -17,9 +17,11 @@ every request's definition (``_Call``); they differ only in how they send it.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,8 @@ T = TypeVar("T")
 DEFAULT_URL = "http://localhost:8000"
 Inputs = str | Sequence[str] | Sequence[tuple[str, str]] | Sequence[PairInput] | Sequence[Mapping[str, str]]
 DataFile = str | os.PathLike[str] | tuple[str, bytes]  # a path, or (file name, contents)
+Upload = str | os.PathLike[str] | bytes | Any  # a patch (path, bytes, Patch) or a PEFT adapter (folder, archive)
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's save_pretrained names; what the server reads
 
 
 # --- errors --------------------------------------------------------------------------------------------------------
@@ -168,15 +172,28 @@ def _inputs(inputs: Inputs) -> Any:
     return out
 
 
-def _patch_bytes(patch: str | os.PathLike[str] | bytes | Any) -> bytes:
+def _patch_bytes(patch: Upload) -> bytes:
     if isinstance(patch, bytes):
         return patch
     if isinstance(patch, str | os.PathLike):
-        return Path(patch).read_bytes()
+        path = Path(patch)
+        return _adapter_zip(path) if path.is_dir() else path.read_bytes()
     data = getattr(patch, "data", None)  # a patches.format.Patch
     if not isinstance(data, bytes):
-        raise TypeError("register() takes a patch file's path, its bytes, or a Patch")
+        raise TypeError("register() takes a patch file's path, its bytes, a Patch, or a PEFT adapter folder or archive")
     return data
+
+
+def _adapter_zip(folder: Path) -> bytes:
+    """A PEFT adapter folder as the zip POST /tasks reads: its two files (not the rest, such as PEFT's README)."""
+    missing = [name for name in PEFT_FILES if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} has no {missing[0]}: not a PEFT adapter folder (save_pretrained writes one)")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in PEFT_FILES:
+            archive.write(folder / name, name)
+    return buf.getvalue()
 
 
 def _data_file(source: DataFile) -> tuple[str, bytes]:
@@ -200,9 +217,18 @@ def _embed(inputs: Inputs, task: str | None, normalize: bool) -> _Call[EmbedResp
     return _Call("POST", path, _model(EmbedResponse), json={"inputs": _inputs(inputs), "normalize": normalize})
 
 
-def _register(patch: Any) -> _Call[TaskRegistered]:
-    files = {"patch": ("patch.safetensors", _patch_bytes(patch), "application/octet-stream")}
-    return _Call("POST", "/tasks", _model(TaskRegistered), files=files)
+def _register(patch: Upload, task: str | None, labels: Sequence[str] | None) -> _Call[TaskRegistered]:
+    if task is None and isinstance(patch, str | os.PathLike) and Path(patch).is_dir():
+        raise ValueError(f"{patch} is a PEFT adapter folder: register it with task=NAME, the task to serve it under")
+    if isinstance(labels, str):
+        raise TypeError("labels= takes a list of names in head order, e.g. ['negative', 'positive']")
+    if labels is not None and any("," in label for label in labels):
+        raise ValueError("a label cannot hold a comma (the form field 'labels' is comma-separated)")
+    form = {"task": task} if task is not None else {}
+    if labels is not None:
+        form["labels"] = ",".join(labels)
+    files = {"patch": ("patch", _patch_bytes(patch), "application/octet-stream")}
+    return _Call("POST", "/tasks", _model(TaskRegistered), files=files, data=form or None)
 
 
 def _submit(
@@ -311,9 +337,14 @@ class Client:
         """Each input's pooled vector under ``task``'s patch (None: the base encoder)."""
         return self._send(_embed(inputs, task, normalize))
 
-    def register(self, patch: str | os.PathLike[str] | bytes | Any) -> TaskRegistered:
-        """Register a patch (a file's path, its bytes, or a Patch) as its task's new current version (admin)."""
-        return self._send(_register(patch))
+    def register(
+        self, patch: Upload, *, task: str | None = None, labels: Sequence[str] | None = None
+    ) -> TaskRegistered:
+        """Register a patch (a file's path, its bytes, or a Patch) as its task's new current version (admin). Or a
+        PEFT LoRA or IA3 adapter trained on the server's encoder: its folder (as ``save_pretrained`` wrote it) or
+        that folder packed as .zip or .tar(.gz) (a path or bytes), served as task ``task``, its classes named
+        ``labels`` in head order (default LABEL_0, LABEL_1, ...)."""
+        return self._send(_register(patch, task, labels))
 
     def tasks(self) -> list[TaskSummary]:
         """Every task with its current version."""
@@ -409,8 +440,10 @@ class AsyncClient:
     async def embed(self, inputs: Inputs, *, task: str | None = None, normalize: bool = False) -> EmbedResponse:
         return await self._send(_embed(inputs, task, normalize))
 
-    async def register(self, patch: str | os.PathLike[str] | bytes | Any) -> TaskRegistered:
-        return await self._send(_register(patch))
+    async def register(
+        self, patch: Upload, *, task: str | None = None, labels: Sequence[str] | None = None
+    ) -> TaskRegistered:
+        return await self._send(_register(patch, task, labels))
 
     async def tasks(self) -> list[TaskSummary]:
         return await self._send(_Call("GET", "/tasks", _models(TaskSummary)))

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import uuid
+import zipfile
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from patchserve.__main__ import main
 from patchserve.client import (
+    PEFT_FILES,
     AsyncClient,
     Client,
     Conflict,
@@ -19,9 +23,13 @@ from patchserve.client import (
     InvalidRequest,
     NotFound,
     Unauthorized,
+    _adapter_zip,
 )
 from patchserve.patches.api import PairInput
+from patchserve.patches.peft_io import CONFIG_FILE, WEIGHTS_FILE
 from tests.helpers import make_patch, patchserve_process, served, synthetic_rows
+from tests.test_peft import TEXTS, _logits, _peft_model
+from tests.test_peft_upload import LORA, _zip
 
 ADMIN, PREDICT = "client-admin", "client-predict"
 JOB = {"task": "sent", "min_steps": 300, "epochs": 1, "eval_every": 50, "lr": 1e-2, "pooling": "mean", "patience": 100}
@@ -93,6 +101,58 @@ def test_errors_are_typed_and_carry_the_servers_message(server):
             ps.register(b"not a patch")
         with pytest.raises(NotFound, match="has no version 99"):
             ps.rollback("sentiment", 99)
+
+
+def test_register_a_peft_adapter_as_its_folder_or_an_archive(server, tiny_bert_dir, tiny_encoder, tmp_path):
+    """A PEFT adapter registers through the client as the folder save_pretrained wrote (the client zips its two
+    files, nothing else) or as an archive (a path, or bytes with the async client), and serves with PEFT's outputs.
+    What the client can tell is wrong (a folder without a task name, one that is not an adapter, a label with a
+    comma) is refused before anything is sent; what the server refuses raises with its message and registers
+    nothing."""
+    folder = tmp_path / "adapter"
+    model = _peft_model(tiny_bert_dir, LORA, labels=2)
+    model.save_pretrained(folder)
+    (folder / "optimizer.pt").write_bytes(bytes(1 << 20))  # beside the adapter, as training scripts leave them
+    assert PEFT_FILES == (CONFIG_FILE, WEIGHTS_FILE)  # the client's names are PEFT's, as the server reads them
+    assert zipfile.ZipFile(io.BytesIO(_adapter_zip(folder))).namelist() == list(PEFT_FILES)  # not optimizer.pt
+    probs = torch.softmax(_logits(model, tiny_encoder.tokenizer, TEXTS)[0], dim=-1)
+    archive = tmp_path / "adapter.zip"
+    archive.write_bytes(_zip({name: (folder / name).read_bytes() for name in PEFT_FILES}))
+    not_an_adapter = tmp_path / "not-an-adapter"
+    not_an_adapter.mkdir()
+    (not_an_adapter / CONFIG_FILE).write_bytes((folder / CONFIG_FILE).read_bytes())
+    with Client(server, token=ADMIN) as ps:
+        first = ps.register(folder, task="peft-folder", labels=["neg", "pos"])
+        assert (first.name, first.patch_type, first.labels) == ("peft-folder", "lora", ["neg", "pos"])
+        served_ = ps.predict("peft-folder", TEXTS, all_scores=True).predictions
+        for pred, want in zip(served_, probs, strict=True):
+            assert pred.scores is not None
+            assert pred.scores["neg"] == pytest.approx(float(want[0]), abs=1e-5)
+            assert pred.scores["pos"] == pytest.approx(float(want[1]), abs=1e-5)
+        again = ps.register(archive, task="peft-zip")
+        assert again.labels == ["LABEL_0", "LABEL_1"] and again.patch_id != first.patch_id  # other labels, other patch
+        with pytest.raises(ValueError, match="task=NAME"):
+            ps.register(folder)
+        with pytest.raises(FileNotFoundError, match=f"no {WEIGHTS_FILE}"):
+            ps.register(not_an_adapter, task="peft-none")
+        with pytest.raises(TypeError, match="a list of names"):
+            ps.register(folder, task="peft-comma", labels="bad,good")
+        with pytest.raises(ValueError, match="comma"):
+            ps.register(folder, task="peft-comma", labels=["bad, good", "fine"])
+        with pytest.raises(InvalidRequest, match="2 outputs but 3 labels"):
+            ps.register(folder, task="peft-three", labels=["a", "b", "c"])
+        names = {t.name for t in ps.tasks()}
+        assert {"peft-folder", "peft-zip"} <= names and not names & {"peft-none", "peft-comma", "peft-three"}
+
+    async def from_bytes() -> None:
+        async with AsyncClient(server, token=ADMIN) as ps:
+            registered = await ps.register(archive.read_bytes(), task="peft-bytes", labels=["neg", "pos"])
+            assert (registered.patch_type, registered.labels) == ("lora", ["neg", "pos"])
+            scores = (await ps.predict("peft-bytes", TEXTS[0], all_scores=True)).predictions[0].scores
+            assert scores is not None and served_[0].scores is not None
+            assert scores == pytest.approx(served_[0].scores, abs=1e-6)  # the same adapter, served alike
+
+    asyncio.run(from_bytes())
 
 
 def test_submit_and_wait_with_a_real_worker(server, capsys):
