@@ -34,7 +34,7 @@ def server(redis_url, tiny_bert_dir, tiny_encoder, tmp_path_factory) -> Iterator
         for seed in (1, 2):
             patch = make_patch(tiny_encoder, "sentiment", seed=seed)
             assert httpx.post(f"{base}/tasks", files={"patch": ("p", patch.data)}, headers=AUTH).status_code == 201
-        tagger = make_patch(tiny_encoder, "pos", kind="token-classification", seed=3)
+        tagger = make_patch(tiny_encoder, "pos", kind="token-classification", seed=3, lora_rank=2)
         assert httpx.post(f"{base}/tasks", files={"patch": ("p", tagger.data)}, headers=AUTH).status_code == 201
         yield base, registry
 
@@ -101,6 +101,8 @@ def test_the_operator_page(server, browser, tmp_path):
     _wait(chrome, ec.presence_of_element_located((By.CSS_SELECTOR, "tr[data-task='sentiment'] td.version")))
     _wait(chrome, lambda c: _text(c, "tr[data-task='sentiment'] td.version") == "v2")
     _wait(chrome, lambda c: "token-classification" in _text(c, "tr[data-task='pos']"))
+    assert _text(chrome, "tr[data-task='pos'] td.type") == "lora"  # the patch type: BitFit and LoRA side by side
+    assert _text(chrome, "tr[data-task='sentiment'] td.type") == "bitfit"
 
     # versions with their metrics, and rollback
     _click(chrome, "button[data-action='versions'][data-task='sentiment']")

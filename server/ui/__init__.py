@@ -47,7 +47,8 @@ async def page(request: Request, svc: ServiceDep) -> Any:
 
 @router.get("/ui/fragments/tasks", response_class=HTMLResponse)
 async def tasks(request: Request, svc: ServiceDep, _: ReadAuth) -> Any:
-    """Every task: its current version, kind, labels, dev score and request rate (from the server's metrics)."""
+    """Every task: its current version, kind, patch type, labels, dev score and request rate (from the server's
+    metrics)."""
 
     def read() -> list[dict[str, Any]]:
         rows = []
@@ -56,7 +57,7 @@ async def tasks(request: Request, svc: ServiceDep, _: ReadAuth) -> Any:
             try:
                 _, patch = svc.catalog.resolve(name)
                 meta = patch.meta
-                row |= {"kind": meta.kind, "labels": meta.labels, "metrics": meta.metrics}
+                row |= {"kind": meta.kind, "type": meta.patch_type, "labels": meta.labels, "metrics": meta.metrics}
             except PatchServeError as exc:  # e.g. trained on another base: say so in the row
                 row["problem"] = str(exc)
             rows.append(row)
