@@ -17,7 +17,7 @@ from patchserve.patches.errors import PatchServeError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="patchserve",
-        description="Serve and train BitFit bias patches on one frozen shared encoder.",
+        description="Serve and train task patches (BitFit by default, LoRA opt-in) on one frozen shared encoder.",
     )
     parser.add_argument("--version", action="version", version=f"patchserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

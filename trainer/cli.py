@@ -280,8 +280,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train a BitFit patch on a labelled JSONL/CSV file",
-        description="Train only the selected biases of the frozen encoder plus a new head, then write the patch "
+        help="train a patch (BitFit; LoRA with --lora-rank) on a labelled JSONL/CSV file",
+        description="Train only the selected biases of the frozen encoder plus a new head (with --lora-rank, "
+        "low-rank updates of its linear layers as well), then write the patch "
         "to a file (--out, default TASK.safetensors) or register it (--registry). A progress bar shows loss, "
         "dev metric and ETA on a terminal; the final report is printed as JSON.",
     )
