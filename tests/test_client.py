@@ -130,7 +130,7 @@ def test_register_a_peft_adapter_as_its_folder_or_an_archive(server, tiny_bert_d
             assert pred.scores["neg"] == pytest.approx(float(want[0]), abs=1e-5)
             assert pred.scores["pos"] == pytest.approx(float(want[1]), abs=1e-5)
         again = ps.register(archive, task="peft-zip")
-        assert again.labels == ["LABEL_0", "LABEL_1"] and again.patch_id != first.patch_id  # other labels, other patch
+        assert again.labels == ["LABEL_0", "LABEL_1"] and again.patch_id != first.patch_id  # another task: another id
         with pytest.raises(ValueError, match="task=NAME"):
             ps.register(folder)
         with pytest.raises(FileNotFoundError, match=f"no {WEIGHTS_FILE}"):
