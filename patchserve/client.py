@@ -172,12 +172,16 @@ def _inputs(inputs: Inputs) -> Any:
     return out
 
 
-def _patch_bytes(patch: Upload) -> bytes:
+def _patch_bytes(patch: Upload, task: str | None) -> bytes:
     if isinstance(patch, bytes):
         return patch
     if isinstance(patch, str | os.PathLike):
         path = Path(patch)
-        return _adapter_zip(path) if path.is_dir() else path.read_bytes()
+        if not path.is_dir():
+            return path.read_bytes()
+        if task is None:
+            raise ValueError(f"{patch} is a PEFT adapter folder: register it with task=NAME, the task to serve as")
+        return _adapter_zip(path)
     data = getattr(patch, "data", None)  # a patches.format.Patch
     if not isinstance(data, bytes):
         raise TypeError("register() takes a patch file's path, its bytes, a Patch, or a PEFT adapter folder or archive")
@@ -218,8 +222,7 @@ def _embed(inputs: Inputs, task: str | None, normalize: bool) -> _Call[EmbedResp
 
 
 def _register(patch: Upload, task: str | None, labels: Sequence[str] | None) -> _Call[TaskRegistered]:
-    if task is None and isinstance(patch, str | os.PathLike) and Path(patch).is_dir():
-        raise ValueError(f"{patch} is a PEFT adapter folder: register it with task=NAME, the task to serve it under")
+    data = _patch_bytes(patch, task)
     if isinstance(labels, str):
         raise TypeError("labels= takes a list of names in head order, e.g. ['negative', 'positive']")
     if labels is not None and any("," in label for label in labels):
@@ -227,7 +230,7 @@ def _register(patch: Upload, task: str | None, labels: Sequence[str] | None) -> 
     form = {"task": task} if task is not None else {}
     if labels is not None:
         form["labels"] = ",".join(labels)
-    files = {"patch": ("patch", _patch_bytes(patch), "application/octet-stream")}
+    files = {"patch": ("patch", data, "application/octet-stream")}
     return _Call("POST", "/tasks", _model(TaskRegistered), files=files, data=form or None)
 
 
