@@ -59,7 +59,6 @@ from bench.quality import (
     restart_scores,
     run_shape,
     sample,
-    setting_changes,
     settings,
 )
 from patchserve.patches.data import Dataset, load_dataset, split_dev
@@ -68,57 +67,19 @@ from patchserve.patches.train_config import SELECTION_METRICS, TrainConfig
 from patchserve.trainer.progress import progress_logger
 from patchserve.trainer.train import train_patch
 
-RESTART_NOTE = (
-    "Runs with restarts=1 were recorded before 2026-11-23: one seed, the best dev checkpoint, and a dev tie kept the "
-    "earlier checkpoint. Since then a tie keeps the later one, and on data this small today's defaults train 3 seeds "
-    "(under 1,000 training rows) and keep each run's last checkpoint (a dev set under 100 rows cannot rank "
-    "checkpoints), choosing the seed with the best dev score. Since 2026-11-25 they average the 3 seeds into one "
-    "patch instead (the seeds share their head's initialisation; `restarts_merge=best` rows are the runs that kept "
-    "one seed): on the sets' own dev splits the average beat the seed a 26-row dev would have kept, on the same "
-    "runs, by the amounts listed under the table. `restarts` in each run's record lists every seed's dev and test "
+ROWS_NOTE = (
+    "Older rows: runs with restarts=1 were recorded before 2026-11-23 (one seed, the best dev checkpoint, a dev tie "
+    "kept the earlier checkpoint; since then a tie keeps the later one). Today's defaults train 3 seeds under 1,000 "
+    "training rows, keep each run's last checkpoint (a dev set under 100 rows cannot rank checkpoints) and, since "
+    "2026-11-25, average the seeds into one patch (`restarts_merge=best` rows kept the seed with the best carved dev "
+    "score instead). Rows marked `head_init=random` are BitFit's defaults before 2026-11-27, and lora rows marked "
+    "`min_steps=600` lora's before 2026-12-04. `restarts` in each run's record lists every seed's dev and test "
     "score, `merged` the average's."
 )
 
-
-SCALES_NOTE = (
-    "`scales=layernorm` (a `bitfit-ln` patch, since removed) and the contrastive stage (`contrastive=8`, since "
-    "removed): docs/experiments.md. `scales=ia3` (2026-11-26): (IA)^3 scales on every layer's keys, values and "
-    "feed-forward intermediate trained with the biases (a `bitfit-ia3` patch, 13,824 more values on MiniLM, served "
-    "in the same mixed batches). On the same 5 draws it scored +0.6 on test on both sets but not on the sets' own dev "
-    "splits (Rotten Tomatoes -0.6, TREC +0.1; the paired lines above), so at 256 rows it is not chosen either; on the "
-    "full Rotten Tomatoes set it is level on dev too (+0.2 over 3 seeds, docs/quality.md)."
-)
-
-CARVED_DEV_NOTE = (
-    "The carved dev (2026-11-26): at 256 rows today's defaults choose nothing on it (each seed keeps its last "
-    "checkpoint and the seeds are averaged), so a larger carve, an idea from earlier notes, would only take rows "
-    "from training. The other way round was tried as a throwaway prototype (not recorded here; a copy of this "
-    "benchmark that trained on all 256 rows, the carved 26 included, same 5 draws and seeds, 2 runs at a time on 2 "
-    "CPU cores): Rotten Tomatoes 73.7 ± 2.4 on test and 75.0 ± 2.3 on the set's own dev against the defaults' 73.4 "
-    "and 74.9 (set's dev per draw +0.2, +1.2, -2.1, +1.2, +0.2), TREC 91.1 ± 1.9 and 87.2 ± 1.3 against 91.6 and "
-    "87.5 (+0.4, +0.0, -0.6, -0.8, -0.4). Level on dev, so the carve stays: it costs nothing measurable and gives "
-    "the report a dev score no run trained on."
-)
-
-
-SCHEDULE_NOTE = (
-    "The schedule at 256 rows (2026-11-26, 2 CPU cores, 2-3 runs at a time): how far the runs move the biases, "
-    "against today's 600 updates at learning rate 3e-3, scored on the sets' own dev splits (the paired lines above). "
-    "Half the updates, `min_steps=300`, was level on Rotten Tomatoes (-0.1 over 5 draws; 7.6 minutes a run against "
-    "11.5) and twice as many, `min_steps=1200`, too (+0.1; +0.9, -0.2, -0.6, +0.1, +0.2; 17.2 minutes). A rate of "
-    "`lr=0.001` lost 1.1 on draw 0 (stopped there); `lr=0.006` was level: -0.4 on Rotten Tomatoes (3 draws, "
-    "stopped there) and +0.2 on TREC (5 draws). So the schedule stays, and none of it brings Rotten Tomatoes to "
-    "SetFit: on test these runs score 73.6-74.1 against the defaults' 73.4 (same CPU) and SetFit's 75.7 (H200). "
-    "In every variant the 3 seeds' average again beat the seed the carved dev would have kept (the lines above). "
-    "A linear-probe start (LP-FT, Kumar et al. 2022) was tried as a throwaway prototype (not recorded here): every "
-    "run's head started as a logistic regression (C = 1) on the frozen encoder's pooled vectors of the training "
-    "rows, then trained on with the biases as usual. On Rotten Tomatoes draw 0 it scored 72.6 on the set's dev and "
-    "69.9 on test against 74.4 and 73.5: a head that already fits the 230 rows (98% of them) leaves the biases "
-    "little loss to learn from, so it was dropped after one draw. LoRA's schedule (2026-12-04, 2 AMD EPYC cores "
-    "with AVX512-BF16, 2 runs at a time): 900 updates against 600 raised the sets' own dev on Rotten Tomatoes "
-    "(+0.3, 4 of 5 draws) and held it on TREC (+0.1), and test by 0.2 and 0.6 (the paired lines above, read the "
-    "other way round), at 1.5x the time; so a lora patch trains at least 900 updates under 1,000 training rows "
-    "since then, and its rows marked `min_steps=600` are its defaults before it."
+EXPERIMENTS_NOTE = (
+    "What each candidate bought, and the prototypes that left no rows here, one line each: "
+    "[experiments](experiments.md)."
 )
 
 
@@ -161,63 +122,6 @@ def _candidate_lines(groups: dict[tuple[str, int, str, str, str], list[dict]]) -
     set's own dev split and on test."""
     scores = (("set's dev", "heldout"), ("test", "test"))
     return paired_lines(groups, lambda ds, rows, mode: f"{ds}, {rows} rows, {mode}", scores, "draw")
-
-
-GAP_NOTE = (
-    "What the gap to SetFit is made of (2026-11-26, one H100, the runs at once): `full` at 256 rows fine-tunes every "
-    "weight with the trainer's own objective on the same draws (full fine-tuning's defaults, 3 seeds averaged). It "
-    "scored Rotten Tomatoes 73.0 ± 1.5 on test and 74.4 on the set's own dev, TREC 92.5 and 87.4: level with "
-    "BitFit's defaults (73.4-73.7 and 74.8-74.9; 91.2-91.6 and 87.5-87.8). So on 256 rows tuning every weight gains "
-    "nothing over the biases alone with this objective: SetFit's lead (Rotten Tomatoes 75.7, TREC 93.0) comes from "
-    "its recipe, contrastive pairs over the whole body, and the same pairs on the biases alone (`contrastive=8`, "
-    "docs/experiments.md) did not carry it over. More seeds did not pay either: 6 seeds with the best kept by the "
-    "carved dev (the `restarts=6, restarts_merge=best` row, same H100; an explicit restart count keeps the best) "
-    "scored 73.8 test and 74.8 set's dev, and 6 seeds averaged (`--set restarts=6 --set restarts_merge=average`, the "
-    "`restarts=6` row: 2 CPU cores, 2 at a time, 21-23 minutes a draw against 11.5 for 3) 73.6 ± 2.0 test and "
-    "set's dev +0.1 against the defaults on the same draws (the paired line above): twice the time for nothing "
-    "measurable. A learned attention pooling was tried as a prototype (not recorded here, its code not kept): a "
-    "softmax over a row's tokens of each token state dotted with a per-task query vector (384 values, a zero query "
-    "being the mean), "
-    "which a mixed batch could serve at a bias's cost. On the frozen encoder it beat the mean by 1.8 on Rotten "
-    "Tomatoes' dev (79.3 against 77.5, test 77.1 against 75.4: only the query and a linear head trained, 15 "
-    "epochs of the full training split on 2 CPU cores), but trained with the biases it was level: at 256 rows on "
-    "one H100, Rotten Tomatoes 73.9 test and 74.5 set's dev (against the defaults' H200 runs of the same draws, "
-    "set's dev -0.1, +1.0, -1.6, -1.5, +0.6), TREC 91.7 and 87.8 (+0.8, +0.4, -0.4, -1.0, +0.2), and on the full "
-    "Rotten Tomatoes set 82.1 test and 83.7 dev over 3 seeds against 82.1 and 83.6 (docs/quality.md). The trained "
-    "biases already shape what the mean pools. A head started from a linear probe (LP-FT, Kumar et al., 2022; a "
-    "prototype, not kept; an earlier try lost 1.8 on draw 0) did worse again: the head's initial weights fitted "
-    "by L-BFGS to the frozen encoder's pooled vectors of the draw's training rows (cross-entropy + 0.01 x the "
-    "squared weights: 96% training accuracy, loss 0.26) scored on Rotten Tomatoes, 4 of the 5 draws on 2 CPU "
-    "cores, 72.0 test and 73.4 set's dev, against the defaults' CPU runs of the same draws set's dev -0.8, -4.1, "
-    "+0.5, -1.4 (test -2.9, -4.5, +0.3, -0.9): a head that already fits the rows leaves the biases little loss to "
-    "learn from. SetFit's recipe itself on the biases (a prototype, not kept; 2 CPU cores): the contrastive stage "
-    "alone (8 rounds, about 3 minutes a draw), then a logistic-regression head on the tuned encoder's pooled unit "
-    "vectors in place of the runs, C chosen on the carved dev as the floor chooses it. On Rotten Tomatoes' 5 draws "
-    "it scored 73.0 on the set's dev against the defaults' CPU runs' 74.9 (per draw +0.6, -1.4, -2.5, -2.9, -3.1) "
-    "and 72.2 ± 3.1 on test; with C picked on the set's dev itself, an optimistic bound, 74.9: level. More rounds "
-    "did not help: Rotten Tomatoes draw 0 scored 74.0 at 32 rounds against 75.0 at 8, and TREC draw 0 85.2, 86.8 "
-    "and 85.0 at 8, 32 and 96 rounds against the defaults' 86.4. The pair objective pays with the whole body to "
-    "tune, not with its biases, nor with LoRA's factors on every linear layer (2026-12-04, docs/experiments.md: the "
-    "stage before the runs lowered Rotten Tomatoes' test on 3 draws of 3). A head started from the label names did "
-    "pay a little (the note on label-name heads above)."
-)
-
-HEAD_INIT_NOTE = (
-    "Label-name heads (2026-11-27, 2 CPU cores, 2 runs at a time): with `head_init=labels` each class's row of the "
-    "head starts as the frozen encoder's pooled unit vector of its label's name, bias 0 (a zero-shot classifier, "
-    "64% on Rotten Tomatoes' test untrained), then the runs train as before. On the sets' own dev splits it scored "
-    "+0.7 on Rotten Tomatoes and +0.4 on TREC against the random head on the same draws (the paired lines above), "
-    "so since then it is the default for a classifier on fewer than 1,000 training rows; rows marked "
-    "`head_init=random` are the defaults before it. Names that mean nothing cost nothing: the same 5 Rotten "
-    "Tomatoes draws with the labels renamed 0 and 1 (a copy of the set, not recorded here) scored +0.1 on the set's "
-    "dev (per draw +0.9, -0.7, -0.7, +0.2, +0.9) and +0.6 on test (74.0 ± 1.8). Moving a trained patch back "
-    "towards that zero-shot start (WiSE-FT, Wortsman et al. 2022: every bias and the head set to a x trained + "
-    "(1 - a) x start, a patch like any other; 2026-11-27, a prototype, not kept, 1 CPU thread) did not pay: on "
-    "Rotten Tomatoes' draw 0 the set's dev scored 74.1, 75.2, 75.0, 75.5, 76.1, 76.9 and 76.7 at a = 0.3, 0.5, "
-    "0.6, 0.7, 0.8, 0.9 and 1 (the patch as trained), test 72.2 to 74.7 (74.4 at 1): +0.2 at best, and the "
-    "26-row carved dev, the only one a user has, would have chosen a = 0.3 (88.5 there), which lost 2.6 on the "
-    "set's dev. Stopped after that draw."
-)
 
 
 def write_table(runs: list[dict], path: Path, command: str) -> None:
@@ -263,16 +167,7 @@ def write_table(runs: list[dict], path: Path, command: str) -> None:
     lines += ["", *(f"- {n}" for n in notes)] if notes else []
     lines += _averaging_lines(groups)
     lines += _candidate_lines(groups)
-    lines += ["", RESTART_NOTE, "", CARVED_DEV_NOTE]
-    if any(r.get("settings", {}).get("scales", "none") != "none" for r in runs):
-        lines += ["", SCALES_NOTE]
-    changes = {k for r in runs for k in setting_changes(r)}
-    if changes & {"lr", "min_steps"}:
-        lines += ["", SCHEDULE_NOTE]
-    if "head_init" in changes:
-        lines += ["", HEAD_INIT_NOTE]
-    if any(r["mode"] == "full" for r in runs):
-        lines += ["", GAP_NOTE]
+    lines += ["", ROWS_NOTE, "", EXPERIMENTS_NOTE]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -93,15 +93,6 @@ FLOOR_NOTE = (
 )
 
 
-POOLING_NOTE = (
-    "Attention pooling (2026-11-26, a prototype not recorded here and not kept): a per-task query vector whose "
-    "softmax over a row's token states weights them (384 values, a zero query being the mean pooling used now). "
-    "On Rotten Tomatoes, one H100 with 13 benchmark processes at once, BitFit with it scored 83.6, 84.0 and 83.6 "
-    "on dev and 81.8, 82.1 and 82.3 on test for seeds 0-2, against today's defaults' 84.0, 83.2, 83.6 and 82.0, "
-    "82.6, 81.8 (H100): level on dev (+0.1), so it was dropped (docs/few-sample.md has its other figures)."
-)
-
-
 PAIRED_NOTE = (
     "Candidates paired with the runs without them (today's defaults, or the same other changes), seed by seed on "
     "the same machine, so what a seed decides (the head's start, the rows' order, dropout) cancels out:"
@@ -532,7 +523,8 @@ def write_table(all_runs: list[dict], path: Path, command: str) -> None:
         "",
         TIE_NOTE,
         "",
-        POOLING_NOTE,
+        "What each candidate below bought, and the prototypes that left no rows here, one line each: "
+        "[experiments](experiments.md).",
         "",
     ]
     old = [r for r in all_runs if not is_current(r)]
