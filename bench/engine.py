@@ -18,6 +18,10 @@ every iteration so drift hits all alike:
   patch kind costs to serve (``ratio_ia3_vs_engine``, its time over the engine's);
 * engine_lora: the same with ``lora`` patches (the same biases and heads, plus rank-8 LoRA on ``--lora-targets`` of
   every layer: by default the trainer's, every linear layer): ``ratio_lora_vs_engine``;
+* engine_lora_stacked (on a GPU; on the CPU with ``--lora-stacked``): the same lora patches on a runner that takes
+  LoRA's stacked form whatever the factor rows (every token times every resident task's A, each token keeping its
+  own columns: plain products, no gather), against the form the engine picks there (per token on a GPU, its factors
+  gathered): ``ratio_lora_stacked_vs_engine``;
 * engine_bf16 (on the CPU in float32 only): the engine's runner and patches in bfloat16, what ``--dtype bfloat16``
   buys a CPU server (``ratio_bf16_vs_engine``): less than 1 only where the CPU's bfloat16 products are fast.
 
@@ -54,12 +58,14 @@ from patchserve.patches.format import Patch
 from patchserve.patches.model import pool
 from patchserve.patches.synthetic import random_patch
 from patchserve.patches.train_config import DEFAULT_TARGETS
+from patchserve.server.engine.packed_backend import PackedBackend
 from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.rows import RowBlock
 from patchserve.server.engine.runner import Runner
 
 OUT = ROOT / "docs" / "benchmarks"
-PATHS = ("plain", "naive", "engine", "engine_ia3", "engine_lora", "engine_bf16")  # engine_bf16: CPU float32 only
+PATHS = ("plain", "naive", "engine", "engine_ia3", "engine_lora", "engine_lora_stacked", "engine_bf16")
+# engine_bf16: the CPU in float32 only; engine_lora_stacked: a GPU, or the CPU with --lora-stacked
 TWINS = {"engine_ia3": {"ia3_scale": 0.05}, "engine_lora": {"lora_rank": 8, "lora_scale": 0.05}}  # their patches'
 LORA_RANK = 8
 
@@ -103,6 +109,11 @@ class Paths:
             path: Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
             for path in TWINS
         }
+        if self.device.type != "cpu" or getattr(args, "lora_stacked", False):
+            stacked = Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
+            if isinstance(stacked.backend, PackedBackend):  # before its first LoRA patch: every form it takes stacked
+                stacked.backend.packed.lora_stacked_max_columns = sys.maxsize
+                self.twin_runners["engine_lora_stacked"] = stacked
         self.twin_of = {
             path: {
                 p.patch_id: random_patch(
@@ -114,6 +125,7 @@ class Paths:
         }
         # each batch's rows with their twins, by path and the batch list's id; the list is kept with them, so the id
         # cannot be reused by a later batch while the entry stands
+        self.twin_of["engine_lora_stacked"] = self.twin_of["engine_lora"]  # the same patches, another form
         self._twin_rows: dict[tuple[str, int], tuple[list[Row], list[Row]]] = {}
         empty = self.plain_enc.tokenizer("")["input_ids"]  # [CLS] [SEP] in this encoder's vocabulary
         for i in range(0, n_tasks, 128):  # every task resident: the steady state, not slot loading
@@ -187,6 +199,9 @@ class Paths:
     def run_engine_lora(self, rows: list[Row]) -> None:
         self.run_twins("engine_lora", rows)
 
+    def run_engine_lora_stacked(self, rows: list[Row]) -> None:
+        self.run_twins("engine_lora_stacked", rows)
+
     def fns(self) -> dict[str, Callable[[list[Row]], None]]:
         """Each path this device and dtype runs, in ``PATHS``' order (engine_bf16 only on a CPU in float32)."""
         fns = {
@@ -195,10 +210,13 @@ class Paths:
             "engine": self.run_engine,
             "engine_ia3": self.run_engine_ia3,
             "engine_lora": self.run_engine_lora,
+            "engine_lora_stacked": self.run_engine_lora_stacked,
             "engine_bf16": self.run_engine_bf16,
         }
         if self.bf16_runner is None:
             del fns["engine_bf16"]
+        if "engine_lora_stacked" not in self.twin_runners:
+            del fns["engine_lora_stacked"]
         return fns
 
     def count_ops(self, fn: Callable[[list[Row]], None], rows: list[Row]) -> int:
@@ -268,6 +286,11 @@ def measure(
         "ratio_ia3_vs_engine": round(med["engine_ia3"] / med["engine"], 3),
         "ratio_lora_vs_engine": round(med["engine_lora"] / med["engine"], 3),
         **({"ratio_bf16_vs_engine": round(med["engine_bf16"] / med["engine"], 3)} if "engine_bf16" in med else {}),
+        **(
+            {"ratio_lora_stacked_vs_engine": round(med["engine_lora_stacked"] / med["engine"], 3)}
+            if "engine_lora_stacked" in med
+            else {}
+        ),
         "lora_rank": LORA_RANK,
         "lora_targets": list(paths.lora_targets),
         "ops_engine": paths.count_ops(paths.run_engine, rows),
@@ -318,8 +341,9 @@ def render(jsonl: Path) -> None:
         "throughput over that path's on the same rows; `bitfit-ia3 time / engine`: the engine's time on the same",
         "rows when every task is a bitfit-ia3 patch (biases plus (IA)^3 scales), over its time with BitFit patches;",
         "`lora time / engine`: the same with lora patches (rank-8 LoRA on the layers a run's `lora_targets` names;",
-        "query and value in runs that do not name them); `bfloat16 time / engine` (CPU float32 runs): the same rows",
-        "and patches on a bfloat16 runner, over the engine's time in float32;",
+        "query and value in runs that do not name them); `lora stacked / engine`: the same lora patches in LoRA's",
+        "stacked form whatever the factor rows (GPU runs since 2026-12-06); `bfloat16 time / engine` (CPU float32",
+        "runs): the same rows and patches on a bfloat16 runner, over the engine's time in float32;",
         "ops: ATen ops per forward on the CPU, host-side launches (kernels, graph launches, copies) on CUDA.",
         "",
     ]
@@ -330,18 +354,19 @@ def render(jsonl: Path) -> None:
             "",
             "| tasks | dist | batch | plain rows/s | naive rows/s | engine rows/s | vs plain | vs naive "
             "| ops plain | ops naive | ops engine | bitfit-ia3 time / engine | lora time / engine "
-            "| bfloat16 time / engine |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| lora stacked / engine | bfloat16 time / engine |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(mine, key=lambda r: (r["tasks"], r["dist"], r["batch"])):
             ia3 = f"{r['ratio_ia3_vs_engine']:.3f}" if "ratio_ia3_vs_engine" in r else "-"
             lora = f"{r['ratio_lora_vs_engine']:.3f}" if "ratio_lora_vs_engine" in r else "-"
+            stacked = f"{r['ratio_lora_stacked_vs_engine']:.3f}" if "ratio_lora_stacked_vs_engine" in r else "-"
             bf16 = f"{r['ratio_bf16_vs_engine']:.3f}" if "ratio_bf16_vs_engine" in r else "-"
             lines.append(
                 f"| {r['tasks']} | {r['dist']} | {r['batch']} | {r['rows_per_s_plain']:.0f} | "
                 f"{r['rows_per_s_naive']:.0f} | {r['rows_per_s_engine']:.0f} | {r['ratio_vs_plain']:.2f}x | "
                 f"{r['ratio_vs_naive']:.2f}x | {r['ops_plain']} | {r['ops_naive']} | {r['ops_engine']} | {ia3} | "
-                f"{lora} | {bf16} |"
+                f"{lora} | {stacked} | {bf16} |"
             )
         lines.append("")
     lines += goals(rows)
@@ -453,6 +478,11 @@ def main() -> None:
         default=list(DEFAULT_TARGETS),
         choices=DEFAULT_TARGETS,
         help="the layers the lora path's patches update (default: the trainer's, all of them)",
+    )
+    ap.add_argument(
+        "--lora-stacked",
+        action="store_true",
+        help="on the CPU too, time LoRA's stacked form whatever the factor rows (a GPU always does)",
     )
     ap.add_argument("--quick", action="store_true", help="100 tasks, batch 32, uniform; prints one JSON line")
     ap.add_argument("--out", type=Path, default=OUT / "engine.jsonl", help="JSON lines of the full run (appended)")

@@ -223,6 +223,9 @@ class PackedBert:
         self.scales = False  # whether the banks hold per-slot (IA)^3 scales (once a patch with them is loaded)
         self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
         self.lora: LoraBank | None = None  # the resident tasks' LoRA factors, once a LoRA patch has been loaded
+        # LoRA's stacked form up to this many factor columns (None: packed_lora.STACKED_MAX_COLUMNS, measured on the
+        # CPU); set before the first LoRA patch is loaded (bench/engine.py times the stacked form on a GPU with it)
+        self.lora_stacked_max_columns: int | None = None
         self._product_weights: dict[torch.dtype, list[ProductWeights]] = {}  # product_weights' copies, by type
         base = self.bank_values([{}])  # every slot starts as the base encoder
         self.banks = {k: v.to(self.dtype).expand(n_slots, -1).contiguous() for k, v in base.items()}

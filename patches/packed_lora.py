@@ -71,6 +71,7 @@ class LoraFactors:
     a: dict[str, torch.Tensor] = field(default_factory=dict)
     b: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: torch.Tensor | None = None
+    stacked_max_columns: int | None = None  # the stacked form up to this many columns (None: STACKED_MAX_COLUMNS)
 
 
 class LowRank:
@@ -81,8 +82,9 @@ class LowRank:
     a LoRA row in the batch."""
 
     def __init__(self, factors: LoraFactors | None, batch: PackedBatch, form: str | None = None) -> None:
-        """``form`` forces one (tests); by default stacked while factor rows x rank <= ``STACKED_MAX_COLUMNS``, else
-        per segment on the CPU, per token on other devices."""
+        """``form`` forces one (tests); by default stacked while factor rows x rank is at most the factors'
+        ``stacked_max_columns`` (``STACKED_MAX_COLUMNS`` unless set), else per segment on the CPU, per token on other
+        devices."""
         self.factors = factors
         self.form: str | None = None
         self.index: torch.Tensor | None = None  # stacked and per-token forms: each token's factor row
@@ -93,7 +95,8 @@ class LowRank:
         first = next(iter(factors.a.values()))
         n_rows, rank = int(first.shape[0]), int(first.shape[1])
         if form is None:
-            stacked = n_rows * rank <= STACKED_MAX_COLUMNS
+            limit = STACKED_MAX_COLUMNS if factors.stacked_max_columns is None else factors.stacked_max_columns
+            stacked = n_rows * rank <= limit
             form = "stacked" if stacked else "segments" if batch.ids.device.type == "cpu" else "tokens"
         if form == "segments":
             self.segments = _segments(batch, factors.rows)
@@ -212,7 +215,10 @@ class LoraBank:
     def __init__(self, packed: PackedBert, n_slots: int) -> None:
         self.packed = packed
         self.roles = role_map(packed)
-        self.factors = LoraFactors(rows=torch.zeros(n_slots, dtype=torch.long, device=packed.device))
+        self.factors = LoraFactors(
+            rows=torch.zeros(n_slots, dtype=torch.long, device=packed.device),
+            stacked_max_columns=packed.lora_stacked_max_columns,
+        )
         self.rank = 0
         self.capacity = 1  # rows, row 0 the zero row
         self.free: list[int] = []
