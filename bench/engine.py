@@ -123,9 +123,9 @@ class Paths:
             }
             for path, noise in noises.items()
         }
+        self.twin_of["engine_lora_stacked"] = self.twin_of["engine_lora"]  # the same patches, another form
         # each batch's rows with their twins, by path and the batch list's id; the list is kept with them, so the id
         # cannot be reused by a later batch while the entry stands
-        self.twin_of["engine_lora_stacked"] = self.twin_of["engine_lora"]  # the same patches, another form
         self._twin_rows: dict[tuple[str, int], tuple[list[Row], list[Row]]] = {}
         empty = self.plain_enc.tokenizer("")["input_ids"]  # [CLS] [SEP] in this encoder's vocabulary
         for i in range(0, n_tasks, 128):  # every task resident: the steady state, not slot loading
