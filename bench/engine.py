@@ -111,7 +111,7 @@ class Paths:
         }
         if self.device.type != "cpu" or getattr(args, "lora_stacked", False):
             stacked = Runner(load_encoder(args.model), device=args.device, dtype=args.dtype, slots=n_tasks)
-            if isinstance(stacked.backend, PackedBackend):  # before its first LoRA patch: every form it takes stacked
+            if isinstance(stacked.backend, PackedBackend):  # before its graphs see a LoRA patch: stacked from the first
                 stacked.backend.packed.lora_stacked_max_columns = sys.maxsize
                 self.twin_runners["engine_lora_stacked"] = stacked
         self.twin_of = {

@@ -224,7 +224,7 @@ class PackedBert:
         self.generation = 0  # counts changes of the banks' set (captured graphs read the old one)
         self.lora: LoraBank | None = None  # the resident tasks' LoRA factors, once a LoRA patch has been loaded
         # LoRA's stacked form up to this many factor columns (None: packed_lora.STACKED_MAX_COLUMNS, measured on the
-        # CPU); set before the first LoRA patch is loaded (bench/engine.py times the stacked form on a GPU with it)
+        # CPU); captured CUDA graphs keep the form of their capture (bench/engine.py sets it on a new runner)
         self.lora_stacked_max_columns: int | None = None
         self._product_weights: dict[torch.dtype, list[ProductWeights]] = {}  # product_weights' copies, by type
         base = self.bank_values([{}])  # every slot starts as the base encoder
@@ -370,7 +370,7 @@ class PackedBert:
         if banks is None:
             banks, lora = self.banks, self.lora.factors if self.lora is not None else None
         bias = token_biases(banks, b.tok_slot, gather_by_layer)
-        low = LowRank(lora, b)
+        low = LowRank(lora, b, stacked_max_columns=self.lora_stacked_max_columns)
         weights = self.product_weights(matmul_dtype) if matmul_dtype is not None else None
 
         def product(x: torch.Tensor, w: torch.Tensor, site: str) -> torch.Tensor:

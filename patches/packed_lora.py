@@ -71,7 +71,6 @@ class LoraFactors:
     a: dict[str, torch.Tensor] = field(default_factory=dict)
     b: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: torch.Tensor | None = None
-    stacked_max_columns: int | None = None  # the stacked form up to this many columns (None: STACKED_MAX_COLUMNS)
 
 
 class LowRank:
@@ -81,9 +80,15 @@ class LowRank:
     ``form``: ``"stacked"``, ``"segments"`` or ``"tokens"`` (the module docstring), None without factors or without
     a LoRA row in the batch."""
 
-    def __init__(self, factors: LoraFactors | None, batch: PackedBatch, form: str | None = None) -> None:
-        """``form`` forces one (tests); by default stacked while factor rows x rank is at most the factors'
-        ``stacked_max_columns`` (``STACKED_MAX_COLUMNS`` unless set), else per segment on the CPU, per token on other
+    def __init__(
+        self,
+        factors: LoraFactors | None,
+        batch: PackedBatch,
+        form: str | None = None,
+        stacked_max_columns: int | None = None,
+    ) -> None:
+        """``form`` forces one (tests); by default stacked while factor rows x rank is at most
+        ``stacked_max_columns`` (None: ``STACKED_MAX_COLUMNS``), else per segment on the CPU, per token on other
         devices."""
         self.factors = factors
         self.form: str | None = None
@@ -95,7 +100,7 @@ class LowRank:
         first = next(iter(factors.a.values()))
         n_rows, rank = int(first.shape[0]), int(first.shape[1])
         if form is None:
-            limit = STACKED_MAX_COLUMNS if factors.stacked_max_columns is None else factors.stacked_max_columns
+            limit = STACKED_MAX_COLUMNS if stacked_max_columns is None else stacked_max_columns
             stacked = n_rows * rank <= limit
             form = "stacked" if stacked else "segments" if batch.ids.device.type == "cpu" else "tokens"
         if form == "segments":
@@ -215,10 +220,7 @@ class LoraBank:
     def __init__(self, packed: PackedBert, n_slots: int) -> None:
         self.packed = packed
         self.roles = role_map(packed)
-        self.factors = LoraFactors(
-            rows=torch.zeros(n_slots, dtype=torch.long, device=packed.device),
-            stacked_max_columns=packed.lora_stacked_max_columns,
-        )
+        self.factors = LoraFactors(rows=torch.zeros(n_slots, dtype=torch.long, device=packed.device))
         self.rank = 0
         self.capacity = 1  # rows, row 0 the zero row
         self.free: list[int] = []

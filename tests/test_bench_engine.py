@@ -37,7 +37,8 @@ def test_a_configuration_measures_every_path_and_records_the_lora_targets(tiny_b
     # the engine's own choice past 32 columns (per segment on the CPU) and the stacked runner's, on the same patches
     lora, stacked = (paths.twin_runners[p].backend.packed.lora for p in ("engine_lora", "engine_lora_stacked"))
     assert lora is not None and stacked is not None and lora.capacity * lora.rank > STACKED_MAX_COLUMNS
-    assert stacked.factors.stacked_max_columns == sys.maxsize and {"segments", "stacked"} <= set(forms)
+    assert paths.twin_runners["engine_lora_stacked"].backend.packed.lora_stacked_max_columns == sys.maxsize
+    assert {"segments", "stacked"} <= set(forms)
     rows = paths._twin_rows[next(k for k in paths._twin_rows if k[0] == "engine_lora")][1]
     runs = [paths.twin_runners[p].run(rows) for p in ("engine_lora", "engine_lora_stacked")]
     assert len(rows) == 4 and any(r.patch is not None and r.patch.lora for r in rows)
