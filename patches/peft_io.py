@@ -16,8 +16,9 @@ Importing maps, exactly:
   regression), ``TOKEN_CLS`` adapters tag tokens.
 
 What cannot be served exactly is refused with the reason: DoRA, LoRA biases, layer replication, target parameters,
-trainable tokens, modules outside the encoder's LoRA sites, (IA)^3 vectors that do not fold, another base model, no
-classifier. Exporting writes the reverse: a folder ``PeftModel.from_pretrained`` loads onto the base model.
+trainable tokens, modules outside the encoder's LoRA sites, weights of modules beyond the one-layer task head, (IA)^3
+vectors that do not fold, another base model, no classifier. Exporting writes the reverse: a folder
+``PeftModel.from_pretrained`` loads onto the base model.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 HEAD_FILE = "patchserve_head.safetensors"  # the head of an exported mean/cls-pooled patch (no PEFT classifier)
 MAX_ADAPTER_BYTES = 256 * 1024 * 1024
 _WRAPPED = "base_model.model."
-_HEADS = ("classifier", "score")
+_HEADS = ("classifier", "score")  # the one-layer task head of a *ForSequenceClassification / *ForTokenClassification
+# a task model's head modules beyond that one layer (DistilBERT's pre_classifier; RoBERTa's and ELECTRA's
+# classifier.dense + classifier.out_proj)
+_HEAD_PARTS = (*_HEADS, "pre_classifier")
+_WRAPPER_COPIES = ("original_module", "modules_to_save")
 _KINDS = {"SEQ_CLS": "classification", "TOKEN_CLS": "token-classification"}
 
 
@@ -129,9 +134,6 @@ def _refuse_unservable(config: dict[str, Any]) -> str:
     for key, why in unsupported.items():
         if config.get(key):
             raise PeftImportError(why)
-    extra = [m for m in config.get("modules_to_save") or [] if m not in _HEADS]
-    if extra:
-        raise PeftImportError(f"modules_to_save {extra} would replace encoder weights; only the classifier is served")
     return str(peft_type)
 
 
@@ -192,17 +194,42 @@ _IA3_KEY = re.compile(r"(?P<module>.+)\.ia3_l(?:\.[^.]+)?")
 
 
 def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(head tensors by ``weight``/``bias``, encoder tensors by their name in the bare encoder)."""
+    """(head tensors by ``weight``/``bias``, encoder tensors by their name in the bare encoder), refusing the weights
+    of any other module the adapter holds.
+
+    An adapter is judged by the tensors it holds, not by the names its config lists: PEFT writes ``classifier``,
+    ``score`` and ``pre_classifier`` into ``modules_to_save`` of every ``SEQ_CLS`` and ``TOKEN_CLS`` adapter (0.22 and
+    later), whatever the model has, and saves only the modules the model really has. A listed module without
+    weights changes nothing and is ignored."""
     head: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
+    replaced: set[str] = set()  # modules whose weights the adapter would replace (modules_to_save)
     for key, t in tensors.items():
         bare = key.removeprefix(_WRAPPED)
         owner, _, leaf = bare.partition(".")
-        if owner in _HEADS:
-            if leaf in ("weight", "bias"):  # (PEFT also saves the wrapper's own copies: not the trained head)
-                head[leaf] = t
+        if owner in _HEADS and leaf in ("weight", "bias"):
+            head[leaf] = t
             continue
-        rest[_encoder_key(key).replace(".base_layer.", ".")] = t
+        if any(f".{copy}." in f".{bare}." for copy in _WRAPPER_COPIES):
+            continue  # a wrapper's own copy (the frozen original beside a trained module): not the adapter's value
+        name = _encoder_key(key).replace(".base_layer.", ".")
+        if not (name.endswith(".bias") or _LORA_KEY.fullmatch(name) or _IA3_KEY.fullmatch(name)):
+            replaced.add(name.rsplit(".", 1)[0])
+        rest[name] = t
+    if replaced:
+        heads = sorted(m for m in replaced if m.split(".")[0] in _HEAD_PARTS)
+        if heads:
+            raise PeftImportError(
+                f"the adapter's task head has more than one layer ({', '.join(heads)}, as DistilBERT's, RoBERTa's "
+                "and ELECTRA's classification heads do); patchserve serves a one-layer classifier on the pooler or "
+                "on the tokens (BertForSequenceClassification, BertForTokenClassification)"
+            )
+        raise PeftImportError(
+            f"the adapter holds weights of {', '.join(sorted(replaced))}, which would replace encoder weights "
+            "(modules_to_save, or an adapter on a layer that is not served); a patch serves biases, adapters on the "
+            "encoder's linear layers and the task head (the classifier): train with modules_to_save limited to the "
+            "classifier"
+        )
     return head, rest
 
 

@@ -81,6 +81,56 @@ def test_a_peft_adapter_serves_with_peft_outputs(tmp_path, tiny_bert_dir, tiny_e
     torch.testing.assert_close(torch.stack(got), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("task_type", ["SEQ_CLS", "TOKEN_CLS"])
+@pytest.mark.parametrize("config_type", [LoraConfig, IA3Config], ids=["lora", "ia3"])
+def test_an_adapter_of_peft_defaults_serves_with_peft_outputs(
+    tmp_path, tiny_bert_dir, tiny_encoder, config_type, task_type
+):
+    """PEFT's own defaults for the task type (its target modules for BERT, its modules_to_save, which may list head
+    modules the model does not have): so a change of PEFT's defaults shows here first."""
+    tagger = task_type == "TOKEN_CLS"
+    model = _peft_model(tiny_bert_dir, config_type(task_type=task_type), tagger=tagger, labels=3)
+    model.save_pretrained(tmp_path / "adapter")
+    patch = import_peft(tmp_path / "adapter", tiny_encoder, "defaults")
+    assert patch.meta.kind == ("token-classification" if tagger else "classification")
+    other = make_patch(tiny_encoder, "other", seed=7)  # served in the same batch
+    got = _served(tiny_bert_dir, [(patch, TEXTS), (other, TEXTS[:2])])[: len(TEXTS)]
+    for text, out in zip(TEXTS, got, strict=True):
+        want, _ = _logits(model, tiny_encoder.tokenizer, [text])
+        torch.testing.assert_close(out, want[0], rtol=0, atol=1e-5)
+
+
+def test_modules_to_save_without_weights_are_ignored(tmp_path, tiny_bert_dir, tiny_encoder):
+    """A module the config lists but the adapter holds no weights of (PEFT 0.22 lists pre_classifier for every
+    classifier) changes nothing: the same patch as without it."""
+    _peft_model(tiny_bert_dir, LORA).save_pretrained(tmp_path / "adapter")
+    plain = import_peft(tmp_path / "adapter", tiny_encoder, "x")
+    _edit_config(tmp_path / "adapter", modules_to_save=["classifier", "score", "pre_classifier", "pooler"])
+    assert import_peft(tmp_path / "adapter", tiny_encoder, "x").data == plain.data
+
+
+def test_weights_beyond_the_task_head_are_refused_naming_the_modules(tmp_path, tiny_bert_dir, tiny_encoder):
+    config = LoraConfig(task_type="SEQ_CLS", target_modules=["query"], modules_to_save=["pooler", "LayerNorm"])
+    _peft_model(tiny_bert_dir, config).save_pretrained(tmp_path / "a")
+    with pytest.raises(
+        PeftImportError, match=r"weights of embeddings\.LayerNorm, .*pooler\.dense, which would replace"
+    ):
+        import_peft(tmp_path / "a", tiny_encoder, "x")
+
+
+def test_a_head_of_two_layers_is_refused(tmp_path, tiny_bert_dir, tiny_encoder):
+    """DistilBertForSequenceClassification's head (pre_classifier + classifier), as PEFT's defaults save it."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    cfg = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, hidden_dim=64, max_position_embeddings=64)
+    lora = LoraConfig(task_type="SEQ_CLS", target_modules=["q_lin", "v_lin"])  # (PEFT has no default for it)
+    model = get_peft_model(DistilBertForSequenceClassification(cfg), lora)
+    model.save_pretrained(tmp_path / "a")
+    _edit_config(tmp_path / "a", base_model_name_or_path=str(tiny_bert_dir))  # past the base check to the head's
+    with pytest.raises(PeftImportError, match=r"task head has more than one layer \(pre_classifier"):
+        import_peft(tmp_path / "a", tiny_encoder, "x")
+
+
 def test_a_peft_tagger_serves_with_peft_outputs(tmp_path, tiny_bert_dir, tiny_encoder):
     config = LoraConfig(task_type="TOKEN_CLS", r=3, lora_alpha=6, bias="all", target_modules=["key", "output.dense"])
     model = _peft_model(tiny_bert_dir, config, tagger=True, labels=4)
@@ -146,7 +196,6 @@ def _edit_config(folder, **changes):
     ("changes", "why"),
     [
         ({"use_dora": True}, "DoRA"),
-        ({"modules_to_save": ["classifier", "pooler"]}, "only the classifier"),
         ({"base_model_name_or_path": "bert-base-uncased"}, "trained on 'bert-base-uncased'"),
         ({"task_type": "FEATURE_EXTRACTION"}, "has no task head"),
         ({"peft_type": "PREFIX_TUNING"}, "is not served"),
