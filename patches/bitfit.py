@@ -6,8 +6,8 @@ activation), each multiplied into its module's output per row. (IA)^3 sites are 
 model applies them by forward hooks (``apply_values``), the packed engine by gathered banks.
 
 Bias *roles* follow the BitFit paper's symbols (b_q, b_k, b_v, b_m1, b_LN1, b_m2, b_m3, b_LN2, plus the embedding
-LayerNorm and pooler biases). Each architecture maps roles to Hugging Face parameter names by a naming rule, so a
-new BERT-family architecture is one entry in ``ARCH_RULES`` -- nothing else hard-codes BERT.
+LayerNorm and pooler biases). Which parameter each role is in a family, and which modules (IA)^3 scales, the family's
+description says (``patchserve.patches.arch``): nothing here names a model's parameters.
 """
 
 from __future__ import annotations
@@ -20,44 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchserve.patches.arch import BIAS_ROLE_SITES, arch_of, undescribed
 from patchserve.patches.errors import EncoderError, PatchKeysError
 from patchserve.patches.format import IA3_PATCH_TYPE, LORA_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
 from patchserve.patches.lora import applied_factors, apply_factors, split_factor
 
-_L = r"encoder\.layer\.(\d+)\."
-_BERT_ROLES = {
-    "q": _L + r"attention\.self\.query\.bias",
-    "k": _L + r"attention\.self\.key\.bias",
-    "v": _L + r"attention\.self\.value\.bias",
-    "m1": _L + r"attention\.output\.dense\.bias",
-    "ln1": _L + r"attention\.output\.LayerNorm\.bias",
-    "m2": _L + r"intermediate\.dense\.bias",
-    "m3": _L + r"output\.dense\.bias",
-    "ln2": _L + r"output\.LayerNorm\.bias",
-    "emb_ln": r"embeddings\.LayerNorm\.bias",
-    "pooler": r"pooler\.dense\.bias",
-}
-_MPNET_ROLES = {
-    "q": _L + r"attention\.attn\.q\.bias",
-    "k": _L + r"attention\.attn\.k\.bias",
-    "v": _L + r"attention\.attn\.v\.bias",
-    "m1": _L + r"attention\.attn\.o\.bias",
-    "ln1": _L + r"attention\.LayerNorm\.bias",
-    "m2": _L + r"intermediate\.dense\.bias",
-    "m3": _L + r"output\.dense\.bias",
-    "ln2": _L + r"output\.LayerNorm\.bias",
-    "emb_ln": r"embeddings\.LayerNorm\.bias",
-    "pooler": r"pooler\.dense\.bias",
-}
-#: model_type -> role -> regex over the encoder's parameter names (group 1, when present, is the layer index)
-ARCH_RULES: dict[str, dict[str, str]] = {
-    "bert": _BERT_ROLES,
-    "roberta": _BERT_ROLES,
-    "xlm-roberta": _BERT_ROLES,
-    "mpnet": _MPNET_ROLES,
-}
 #: role order used in reports and heatmaps (the paper's Figure 1 rows)
-ROLE_ORDER = ("q", "k", "v", "m1", "ln1", "m2", "m3", "ln2", "emb_ln", "pooler")
+ROLE_ORDER = tuple(BIAS_ROLE_SITES)
 
 #: named bias subsets: None = every bias of the encoder (the paper's "all"), else the roles it trains
 BIAS_SUBSETS: dict[str, tuple[str, ...] | None] = {
@@ -69,16 +38,6 @@ BIAS_SUBSETS: dict[str, tuple[str, ...] | None] = {
 #: what a patch trains besides biases: "none" (BitFit) or "ia3" ((IA)^3 scales on every layer's keys, values and
 #: feed-forward intermediate), by patch type
 SCALES: dict[str, str] = {"none": PATCH_TYPE, "ia3": IA3_PATCH_TYPE}
-
-#: model_type -> (IA)^3 role -> regex over module names: the modules whose outputs an (IA)^3 patch scales: "k" and
-#: "v" the key and value projections, "ff" the feed-forward intermediate (after its activation)
-_BERT_IA3 = {"k": _L + r"attention\.self\.key", "v": _L + r"attention\.self\.value", "ff": _L + r"intermediate"}
-IA3_RULES: dict[str, dict[str, str]] = {
-    "bert": _BERT_IA3,
-    "roberta": _BERT_IA3,
-    "xlm-roberta": _BERT_IA3,
-    "mpnet": {"k": _L + r"attention\.attn\.k", "v": _L + r"attention\.attn\.v", "ff": _L + r"intermediate"},
-}
 
 
 @dataclass(frozen=True)
@@ -105,10 +64,10 @@ def bias_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def ia3_roles(encoder: nn.Module) -> dict[str, BiasRole]:
-    """Each (IA)^3 site's role (``IA3_RULES``: k, v, ff) and layer, by module name, in the encoder's order (none for
-    an architecture without rules)."""
-    model_type = getattr(getattr(encoder, "config", None), "model_type", None)
-    rules = {role: re.compile(rx) for role, rx in IA3_RULES.get(str(model_type), {}).items()}
+    """Each (IA)^3 site's role (k, v, ff) and layer, by module name, in the encoder's order (none for a family no
+    description covers)."""
+    arch = arch_of(encoder)
+    rules = {role: re.compile(rx) for role, rx in (arch.ia3_rules if arch else {}).items()}
     out: dict[str, BiasRole] = {}
     for name, _ in encoder.named_modules():
         for role, rx in rules.items():
@@ -150,9 +109,7 @@ def scale_names(encoder: nn.Module, scales: str) -> list[str]:
         return []
     names = list(ia3_sites(encoder))
     if not names:
-        raise EncoderError(
-            f"this encoder has no (IA)^3 rules (IA3_RULES covers {sorted(IA3_RULES)}) to train; use scales 'none'"
-        )
+        raise EncoderError(undescribed(encoder, "(IA)^3 sites") + "; use scales 'none'")
     return names
 
 
@@ -162,14 +119,10 @@ def trained_names(encoder: nn.Module, subset: str, scales: str) -> list[str]:
 
 
 def _rules(encoder: nn.Module) -> dict[str, str]:
-    model_type = getattr(getattr(encoder, "config", None), "model_type", None)
-    if model_type not in ARCH_RULES:
-        raise EncoderError(
-            f"architecture {model_type!r} has no BitFit naming rules (supported: {sorted(ARCH_RULES)}); "
-            "use --bias-subset all, which needs no rules, or add the architecture to "
-            "patchserve.patches.bitfit.ARCH_RULES"
-        )
-    return ARCH_RULES[model_type]
+    arch = arch_of(encoder)
+    if arch is None:
+        raise EncoderError(undescribed(encoder, "bias roles") + "; use --bias-subset all, which needs none")
+    return arch.bias_rules
 
 
 def bias_roles(encoder: nn.Module) -> dict[str, BiasRole]:

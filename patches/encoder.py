@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchserve.patches.arch import arch_of
 from patchserve.patches.bitfit import bias_shapes, scale_shapes
 from patchserve.patches.errors import EncoderError
 from patchserve.patches.format import BaseSpec
@@ -200,9 +201,10 @@ def load_encoder(source: str | None = DEFAULT_ENCODER) -> Encoder:
             hf_logging.enable_progress_bar()
     model.eval()
     model.requires_grad_(False)
-    max_positions = int(getattr(model.config, "max_position_embeddings", 512))
-    if model.config.model_type in ("roberta", "xlm-roberta"):
-        max_positions -= 2  # RoBERTa offsets positions by padding_idx + 1
+    arch = arch_of(model)
+    max_positions = (
+        arch.max_positions(model.config) if arch else int(getattr(model.config, "max_position_embeddings", 512))
+    )
     return Encoder(
         name=name,
         source=where,

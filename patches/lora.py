@@ -21,21 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchserve.patches.arch import arch_of, undescribed
 from patchserve.patches.errors import PatchKeysError
 from patchserve.patches.format import LORA_A, LORA_B
 
-_L = r"encoder\.layer\.(\d+)\."
-_BERT_LORA = {
-    "q": _L + r"attention\.self\.query",
-    "k": _L + r"attention\.self\.key",
-    "v": _L + r"attention\.self\.value",
-    "o": _L + r"attention\.output\.dense",
-    "i": _L + r"intermediate\.dense",
-    "f": _L + r"output\.dense",
-}
-#: model_type -> LoRA role -> regex over the encoder's module names (group 1: the layer). Roles: q, k, v the attention
-#: projections, o the attention output, i the feed-forward intermediate, f the feed-forward output.
-LORA_RULES: dict[str, dict[str, str]] = {"bert": _BERT_LORA, "roberta": _BERT_LORA, "xlm-roberta": _BERT_LORA}
 #: PEFT's short target names (``target_modules``) for each role, as PEFT matches them (a name's suffix; the choices of
 #: ``TrainConfig.lora_targets``)
 ROLE_TARGETS = {
@@ -51,10 +40,11 @@ _FACTORS = "lora_factors"
 
 
 def lora_roles(encoder: nn.Module) -> dict[str, tuple[str, int]]:
-    """Each LoRA site's (role, layer), by module name, in the encoder's order (none for an architecture without
-    rules)."""
-    model_type = str(getattr(getattr(encoder, "config", None), "model_type", None))
-    rules = {role: re.compile(rx) for role, rx in LORA_RULES.get(model_type, {}).items()}
+    """Each LoRA site's (role, layer), by module name, in the encoder's order (none for a family no description
+    covers). Roles: q, k, v the attention projections, o the attention output, i the feed-forward intermediate, f the
+    feed-forward output."""
+    arch = arch_of(encoder)
+    rules = {role: re.compile(rx) for role, rx in (arch.lora_rules if arch else {}).items()}
     out: dict[str, tuple[str, int]] = {}
     for name, module in encoder.named_modules():
         if not isinstance(module, nn.Linear):
@@ -95,7 +85,7 @@ def targets_of(encoder: nn.Module, targets: list[str]) -> list[str]:
     among the encoder's LoRA sites; an unknown target is an error that lists the known ones."""
     sites = lora_roles(encoder)
     if not sites:
-        raise PatchKeysError(f"this encoder has no LoRA rules (LORA_RULES covers {sorted(LORA_RULES)})")
+        raise PatchKeysError(undescribed(encoder, "LoRA sites"))
     chosen: list[str] = []
     for target in targets:
         matched = [n for n in sites if n == target or n.endswith("." + target)]

@@ -35,7 +35,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from patchserve.patches.bitfit import IA3_RULES, ia3_roles
+from patchserve.patches.arch import arch_of_sites
+from patchserve.patches.bitfit import ia3_roles
 from patchserve.patches.encoder import Encoder
 from patchserve.patches.errors import PatchError
 from patchserve.patches.format import (
@@ -48,7 +49,7 @@ from patchserve.patches.format import (
     Patch,
     PatchMeta,
 )
-from patchserve.patches.lora import LORA_RULES, factor_pairs
+from patchserve.patches.lora import factor_pairs
 from patchserve.patches.validation import Label, strict_json
 
 CONFIG_FILE = "adapter_config.json"
@@ -257,8 +258,13 @@ def _lora_factors(config: dict[str, Any], tensors: dict[str, torch.Tensor], site
 
 def _ia3_scales(tensors: dict[str, torch.Tensor], spec: BaseSpec) -> dict[str, torch.Tensor]:
     """PEFT's (IA)^3 vectors as this encoder's (IA)^3 scales (key, value, intermediate), folded where they fold."""
-    roles = _roles(set(spec.lora_shapes), LORA_RULES["bert"])  # linear module -> (role, layer)
-    site = {r: n for n, r in _roles(set(spec.scale_shapes), IA3_RULES["bert"]).items()}  # ("k"|"v"|"ff", layer) -> site
+    arch = arch_of_sites(set(spec.lora_shapes))
+    if arch is None:
+        raise PeftImportError(
+            "this encoder's family has no (IA)^3 sites described, so no (IA)^3 adapter imports onto it"
+        )
+    roles = _roles(set(spec.lora_shapes), arch.lora_rules)  # linear module -> (role, layer)
+    site = {r: n for n, r in _roles(set(spec.scale_shapes), arch.ia3_rules).items()}  # ("k"|"v"|"ff", layer) -> site
     into = {("q", False): "k", ("k", False): "k", ("v", False): "v", ("o", True): "v", ("f", True): "ff"}
     scales: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():

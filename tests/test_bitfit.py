@@ -66,7 +66,7 @@ def test_unknown_subset_and_architecture():
         target_names(model, "everything")
     model.config.model_type = "mystery"
     assert len(target_names(model, "all")) == len(bias_parameters(model))  # needs no naming rules
-    with pytest.raises(EncoderError, match="no BitFit naming rules"):
+    with pytest.raises(EncoderError, match="has no bias roles described"):
         target_names(model, "query-intermediate")
 
 

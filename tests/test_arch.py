@@ -1,0 +1,128 @@
+"""The family descriptions (patchserve.patches.arch) against the Hugging Face models they describe: every family in
+the registry, through a tiny random config of each of its model types, so a family added to the registry is held
+to the same checks with no other edit."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel
+
+from patchserve.patches.arch import ARCHS, DOCS_PAGE, FAMILIES, LAYER_SITES, arch_of, arch_of_sites
+from patchserve.patches.bitfit import bias_parameters, bias_roles, ia3_roles, target_names
+from patchserve.patches.errors import EncoderError, PatchKeysError
+from patchserve.patches.lora import lora_roles, targets_of
+
+LAYERS = 2
+MODEL_TYPES = sorted(ARCHS)
+
+
+def _tiny(model_type: str, **overrides: object) -> nn.Module:
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    return AutoModel.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_every_site_is_a_module_of_the_family(model_type):
+    model = _tiny(model_type)
+    arch = arch_of(model)
+    assert arch is not None and model_type in arch.model_types
+    modules = dict(model.named_modules())
+    for i in range(LAYERS):
+        for site in LAYER_SITES:
+            assert f"{arch.layer.format(i=i)}.{arch.sites[site]}" in modules, (site, i)
+    for site, path in arch.top.items():
+        assert path in modules, site
+    # LoRA: six linear layers a layer; (IA)^3: the key, the value and the activated intermediate of each
+    roles = lora_roles(model)
+    assert len(roles) == 6 * LAYERS and all(isinstance(modules[n], nn.Linear) for n in roles)
+    assert sorted(r.role for r in ia3_roles(model).values()) == sorted(["k", "v", "ff"] * LAYERS)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_bias_roles_name_every_bias_of_the_sites_once(model_type):
+    model = _tiny(model_type)
+    arch = arch_of(model)
+    roles = bias_roles(model)
+    per_role: dict[str, int] = {}
+    for role in roles.values():
+        per_role[role.role] = per_role.get(role.role, 0) + 1
+    want = {r: LAYERS for r in ("q", "k", "v", "m1", "ln1", "m2", "m3", "ln2")}
+    want |= {r: 1 for r, site in (("emb_ln", "emb_norm"), ("pooler", "pooler")) if site in arch.top}
+    assert per_role == want
+    # every bias of the model that sits on a described site has its role (what is left is no site's: ELECTRA's
+    # embedding projection)
+    sites = {n for n, _ in model.named_modules()}
+    unroled = [n for n in bias_parameters(model) if n not in roles]
+    assert all(n.removesuffix(".bias") in sites and "layer" not in n for n in unroled), unroled
+    assert target_names(model, "query-intermediate") == [n for n, r in roles.items() if r.role in ("q", "m2")]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_max_positions_is_the_longest_input_the_model_embeds(model_type):
+    """Counted as the family counts positions (RoBERTa's: from padding_idx + 1): the longest input runs, one token
+    more does not fit the position table."""
+    model = _tiny(model_type)
+    longest = arch_of(model).max_positions(model.config)
+    assert 0 < longest <= model.config.max_position_embeddings
+    ids = torch.full((1, longest), 5)
+    with torch.no_grad():
+        assert model(input_ids=ids).last_hidden_state.shape[1] == longest
+        with pytest.raises((IndexError, RuntimeError)):
+            model(input_ids=torch.full((1, longest + 1), 5))
+
+
+def test_a_spec_s_lora_sites_name_their_family():
+    for arch in FAMILIES:
+        model = _tiny(arch.model_types[0])
+        found = arch_of_sites(set(lora_roles(model)))
+        assert found is not None and found.lora_rules == arch.lora_rules
+    assert arch_of_sites({"encoder.block.0.attn.wq"}) is None
+
+
+def test_a_family_without_description_is_refused_with_the_described_ones():
+    model = _tiny("bert")
+    model.config.model_type = "nomic-bert-not-described"
+    assert arch_of(model) is None
+    with pytest.raises(EncoderError, match=rf"nomic-bert-not-described.*described: .*bert.*{re.escape(DOCS_PAGE)}"):
+        bias_roles(model)
+    with pytest.raises(PatchKeysError, match="has no LoRA sites described"):
+        targets_of(model, ["query"])
+    assert target_names(model, "all") == list(bias_parameters(model))  # the whole set needs no description
+
+
+def test_the_docs_page_lists_every_described_model_type():
+    page = (Path(__file__).parent.parent / DOCS_PAGE).read_text()
+    for arch in FAMILIES:
+        for model_type in arch.model_types:
+            assert f"`{model_type}`" in page, model_type
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_a_loaded_encoder_caps_inputs_at_its_family_s_longest(tmp_path, tiny_bert_dir, model_type):
+    """load_encoder reads the cap from the description (CamemBERT and MPNet once took the whole table: HTTP 500 on
+    inputs past it)."""
+    import shutil
+
+    from patchserve.patches.encoder import load_encoder
+
+    model = _tiny(model_type)
+    model.save_pretrained(tmp_path)
+    for f in tiny_bert_dir.iterdir():
+        if "token" in f.name or f.name == "vocab.txt":
+            shutil.copy(f, tmp_path / f.name)
+    assert load_encoder(str(tmp_path)).max_positions == arch_of(model).max_positions(model.config)
