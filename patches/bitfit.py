@@ -23,7 +23,7 @@ from torch import nn
 from patchserve.patches.arch import BIAS_ROLE_SITES, arch_of, undescribed
 from patchserve.patches.errors import EncoderError, PatchKeysError
 from patchserve.patches.format import IA3_PATCH_TYPE, LORA_PATCH_TYPE, PATCH_TYPE, Patch, PatchMeta
-from patchserve.patches.lora import applied_factors, apply_factors, split_factor
+from patchserve.patches.lora import applied_factors, apply_factors, lora_roles, split_factor
 
 #: role order used in reports and heatmaps (the paper's Figure 1 rows)
 ROLE_ORDER = tuple(BIAS_ROLE_SITES)
@@ -83,22 +83,28 @@ def ia3_sites(encoder: nn.Module) -> dict[str, nn.Module]:
     return {n: modules[n] for n in ia3_roles(encoder)}
 
 
-def _output_width(module: nn.Module) -> int:
-    """The width of a module's output: a Linear's, or (the feed-forward intermediate) its ``dense`` Linear's."""
-    linear = module if isinstance(module, nn.Linear) else getattr(module, "dense", None)
-    if not isinstance(linear, nn.Linear):
-        raise EncoderError(f"cannot tell the output width of {type(module).__name__} for an (IA)^3 scale")
-    return int(linear.out_features)
+def _scale_widths(encoder: nn.Module) -> dict[str, int]:
+    """The width of each (IA)^3 site's output, by module name: the key's and value's Linear's; the activated
+    intermediate's is the width of the Linear before the activation (LoRA's role "i", the feed-forward input)."""
+    modules = dict(encoder.named_modules())
+    ffn_in: dict[int | None, str] = {layer: name for name, (role, layer) in lora_roles(encoder).items() if role == "i"}
+    out: dict[str, int] = {}
+    for name, role in ia3_roles(encoder).items():
+        linear = modules.get(ffn_in.get(role.layer, "")) if role.role == "ff" else modules[name]
+        if not isinstance(linear, nn.Linear):
+            raise EncoderError(f"cannot tell the output width of {name} for an (IA)^3 scale")
+        out[name] = int(linear.out_features)
+    return out
 
 
 def scale_shapes(encoder: nn.Module) -> dict[str, tuple[int, ...]]:
     """The shape of everything a patch can scale: every (IA)^3 site."""
-    return {n: (_output_width(m),) for n, m in ia3_sites(encoder).items()}
+    return {n: (w,) for n, w in _scale_widths(encoder).items()}
 
 
 def ia3_base(encoder: nn.Module) -> dict[str, torch.Tensor]:
     """Every (IA)^3 site at its base value: ones, float32 (a scale of one leaves the output as it is)."""
-    return {n: torch.ones(_output_width(m)) for n, m in ia3_sites(encoder).items()}
+    return {n: torch.ones(w) for n, w in _scale_widths(encoder).items()}
 
 
 def scale_names(encoder: nn.Module, scales: str) -> list[str]:
@@ -217,7 +223,9 @@ def apply_values(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
             params[name].copy_(value.to(params[name].device, params[name].dtype))
             continue
         module = sites[name]
-        like = next(module.parameters())
+        like = next(module.parameters(), None)
+        if like is None:  # an activation (DistilBERT's ffn.activation) holds no parameter: the encoder's device
+            like = next(encoder.parameters())
         scale = value.detach().to(like.device, like.dtype).clone()
         if not isinstance(getattr(module, _IA3_BUFFER, None), torch.Tensor):
             module.register_forward_hook(_scale_output)

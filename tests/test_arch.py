@@ -4,7 +4,9 @@ to the same checks with no other edit."""
 
 from __future__ import annotations
 
+import copy
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,24 +16,29 @@ from transformers import AutoConfig, AutoModel
 
 from patchserve.patches.arch import ARCHS, DOCS_PAGE, FAMILIES, LAYER_SITES, arch_of, arch_of_sites
 from patchserve.patches.bitfit import bias_parameters, bias_roles, ia3_roles, target_names
+from patchserve.patches.encoder import load_encoder
 from patchserve.patches.errors import EncoderError, PatchKeysError
 from patchserve.patches.lora import lora_roles, targets_of
+from patchserve.patches.model import TaskModel
+from patchserve.patches.synthetic import random_patch
+from patchserve.server.engine.protocol import Row
+from patchserve.server.engine.runner import Runner
+from tests.helpers import tiny_vocab
 
 LAYERS = 2
 MODEL_TYPES = sorted(ARCHS)
 
 
 def _tiny(model_type: str, **overrides: object) -> nn.Module:
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=40,
-        **overrides,
-    )
+    settings: dict[str, object] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 40,
+    }
+    config = AutoConfig.for_model(model_type, **(settings | overrides))
     torch.manual_seed(0)
     return AutoModel.from_config(config).eval()
 
@@ -116,9 +123,6 @@ def test_the_docs_page_lists_every_described_model_type():
 def test_a_loaded_encoder_caps_inputs_at_its_family_s_longest(tmp_path, tiny_bert_dir, model_type):
     """load_encoder reads the cap from the description (CamemBERT and MPNet once took the whole table: HTTP 500 on
     inputs past it)."""
-    import shutil
-
-    from patchserve.patches.encoder import load_encoder
 
     model = _tiny(model_type)
     model.save_pretrained(tmp_path)
@@ -126,3 +130,46 @@ def test_a_loaded_encoder_caps_inputs_at_its_family_s_longest(tmp_path, tiny_ber
         if "token" in f.name or f.name == "vocab.txt":
             shutil.copy(f, tmp_path / f.name)
     assert load_encoder(str(tmp_path)).max_positions == arch_of(model).max_positions(model.config)
+
+
+TEXTS = ["the movie was good", "what a boring plot and a bad actor in the city", "big", "who is the actor"]
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def family_encoder(request, tmp_path_factory, tiny_bert_dir):
+    """A tiny random encoder of each described model type, saved as a Hugging Face folder with the tiny BERT's
+    tokenizer, loaded as the server loads it."""
+
+    folder = tmp_path_factory.mktemp(request.param)
+    _tiny(request.param, vocab_size=len(tiny_vocab())).save_pretrained(folder)
+    for f in tiny_bert_dir.iterdir():
+        if "token" in f.name or f.name == "vocab.txt":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_every_kind_serves_on_the_slotted_engine_as_on_the_plain_model(family_encoder):
+    """A mixed batch of BitFit, (IA)^3 and LoRA patches (different lengths) on the slotted engine, each row against
+    the plain Hugging Face model with that row's patch written in (1e-5, float32): the exact simplifications the
+    family's description allows (the key bias dropped, the value bias folded) included."""
+
+    enc = load_encoder(str(family_encoder))
+    pooling = "pooler" if "pooler" in arch_of(enc.model).top else "cls"
+    every_site = tuple(lora_roles(enc.model))
+    patches = [
+        random_patch(enc, "bitfit", seed=1, pooling=pooling),
+        random_patch(enc, "ia3", seed=2, ia3_scale=0.3, pooling="mean"),
+        random_patch(enc, "lora", seed=3, lora_rank=2, lora_targets=every_site, kind="token-classification"),
+    ]
+    runner = Runner(load_encoder(str(family_encoder)), device="cpu", slots=4, engine="slotted")
+    rows = []
+    for i, patch in enumerate(patches):
+        tok = enc.tokenizer(TEXTS[i:] + TEXTS[:i])
+        rows += [Row(ids, tt, patch) for ids, tt in zip(tok["input_ids"], tok["token_type_ids"], strict=True)]
+    got = runner.run(rows)
+    for row, out in zip(rows, got, strict=True):
+        plain = TaskModel.from_patch(copy.deepcopy(enc.model), row.patch).eval()
+        ids = torch.tensor([row.input_ids])
+        with torch.no_grad():
+            want = plain(ids, torch.ones_like(ids))[0]
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)

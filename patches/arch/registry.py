@@ -8,9 +8,10 @@ from typing import Any
 
 from patchserve.patches.arch.base import Arch
 from patchserve.patches.arch.bert import BERT, ELECTRA, ROBERTA
+from patchserve.patches.arch.distilbert import DISTILBERT
 from patchserve.patches.arch.mpnet import MPNET
 
-FAMILIES: tuple[Arch, ...] = (BERT, ROBERTA, ELECTRA, MPNET)
+FAMILIES: tuple[Arch, ...] = (BERT, ROBERTA, ELECTRA, DISTILBERT, MPNET)
 ARCHS: dict[str, Arch] = {t: a for a in FAMILIES for t in a.model_types}
 #: where a user reads which families are described and how a new one is added
 DOCS_PAGE = "docs/encoders.md"
