@@ -119,33 +119,29 @@ def test_the_docs_page_lists_every_described_model_type():
             assert f"`{model_type}`" in page, model_type
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_a_loaded_encoder_caps_inputs_at_its_family_s_longest(tmp_path, tiny_bert_dir, model_type):
+def test_a_loaded_encoder_caps_inputs_at_its_family_s_longest(family_encoder):
     """load_encoder reads the cap from the description (CamemBERT and MPNet once took the whole table: HTTP 500 on
     inputs past it)."""
-
-    model = _tiny(model_type)
-    model.save_pretrained(tmp_path)
-    for f in tiny_bert_dir.iterdir():
-        if "token" in f.name or f.name == "vocab.txt":
-            shutil.copy(f, tmp_path / f.name)
-    assert load_encoder(str(tmp_path)).max_positions == arch_of(model).max_positions(model.config)
+    encoder = load_encoder(str(family_encoder))
+    assert encoder.max_positions == arch_of(encoder.model).max_positions(encoder.model.config)
 
 
 TEXTS = ["the movie was good", "what a boring plot and a bad actor in the city", "big", "who is the actor"]
 
 
-@pytest.fixture(scope="module", params=MODEL_TYPES)
-def family_encoder(request, tmp_path_factory, tiny_bert_dir):
-    """A tiny random encoder of each described model type, saved as a Hugging Face folder with the tiny BERT's
-    tokenizer, loaded as the server loads it."""
-
-    folder = tmp_path_factory.mktemp(request.param)
-    _tiny(request.param, vocab_size=len(tiny_vocab())).save_pretrained(folder)
+def _folder(folder: Path, tiny_bert_dir: Path, model_type: str, **overrides: object) -> Path:
+    """A tiny random encoder of ``model_type`` saved as a Hugging Face folder with the tiny BERT's tokenizer."""
+    _tiny(model_type, vocab_size=len(tiny_vocab()), **overrides).save_pretrained(folder)
     for f in tiny_bert_dir.iterdir():
         if "token" in f.name or f.name == "vocab.txt":
             shutil.copy(f, folder / f.name)
     return folder
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def family_encoder(request, tmp_path_factory, tiny_bert_dir):
+    """The folder of a tiny random encoder of each described model type, loaded as the server loads it."""
+    return _folder(tmp_path_factory.mktemp(request.param), tiny_bert_dir, request.param)
 
 
 def test_every_kind_serves_on_the_slotted_engine_as_on_the_plain_model(family_encoder):
@@ -173,3 +169,28 @@ def test_every_kind_serves_on_the_slotted_engine_as_on_the_plain_model(family_en
         with torch.no_grad():
             want = plain(ids, torch.ones_like(ids))[0]
         torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+
+
+_MODERNBERT_IDS = {"pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3, "bos_token_id": 2, "eos_token_id": 3}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "args", "why"),
+    [
+        ("roberta", ["--lora-rank", "4"], r"LoRA trains on the packed model, which is off here"),
+        ("distilbert", ["--scales", "ia3"], r"\(IA\)\^3 scales train on the packed model, which is off here"),
+        ("modernbert", [], r"ModernBertModel\) has no bias parameters, so a BitFit patch has nothing to train"),
+    ],
+)
+def test_the_trainer_refuses_what_a_family_cannot_train_before_reading_data(
+    tmp_path, tiny_bert_dir, capsys, model_type, args, why
+):
+    """A message, no traceback, and before the data is read (the training file here does not exist)."""
+    from patchserve.__main__ import main
+
+    overrides = _MODERNBERT_IDS if model_type == "modernbert" else {}
+    folder = _folder(tmp_path / model_type, tiny_bert_dir, model_type, **overrides)
+    code = main(["train", "--task", "t", "--train", str(tmp_path / "absent.jsonl"), "--model", str(folder), *args])
+    err = capsys.readouterr().err
+    assert code != 0 and re.search(why, err), err
+    assert "Traceback" not in err and "absent.jsonl" not in err

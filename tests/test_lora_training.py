@@ -11,6 +11,7 @@ from torch import nn
 
 from patchserve.patches import packed_lora
 from patchserve.patches.bitfit import apply_values, bias_parameters
+from patchserve.patches.errors import EncoderError
 from patchserve.patches.format import LORA_A, LORA_B
 from patchserve.patches.lora import LoraSpec, lora_shapes, targets_of
 from patchserve.patches.model import TaskModel
@@ -144,5 +145,5 @@ def test_lora_configs_that_cannot_train_are_refused(tmp_path, tiny_encoder):
     with pytest.raises(JobError, match="drop lora_rank or full"):
         train_config(lora_rank=4, full=True)
     train, dev = training_data(tmp_path, "classification", n_train=32, n_dev=8)
-    with pytest.raises(ValueError, match="LoRA trains on the packed model"):
+    with pytest.raises(EncoderError, match="LoRA trains on the packed model"):
         train_patch(tiny_encoder, train, dev, train_config(lora_rank=2), packed=False)

@@ -9,6 +9,7 @@ import torch
 
 from patchserve.patches.bitfit import bias_parameters, ia3_sites, target_names
 from patchserve.patches.data import DataError, load_dataset, split_dev
+from patchserve.patches.errors import EncoderError
 from patchserve.patches.format import Patch
 from patchserve.patches.jobs import JobError
 from patchserve.patches.model import TaskModel
@@ -314,7 +315,7 @@ def test_scales_ia3_trains_every_scale_on_the_packed_model_and_the_patch_serves_
     moved = result.report["scale_movement"]
     assert set(moved) == {"k", "v", "ff"} and set(moved["k"]) == {"0", "1"} and moved["ff"]["1"] > 0
     _serves_as_trained(tiny_bert_dir, tiny_encoder, result, dev, train.labels)
-    with pytest.raises(ValueError, match=r"\(IA\)\^3 scales train on the packed model"):
+    with pytest.raises(EncoderError, match=r"\(IA\)\^3 scales train on the packed model"):
         train_patch(tiny_encoder, train, dev, train_config(scales="ia3", min_steps=20), packed=False)
 
 

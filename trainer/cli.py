@@ -67,12 +67,14 @@ def _train(args: argparse.Namespace) -> int:
     from patchserve.patches.train_config import TrainConfig
     from patchserve.trainer.progress import progress_logger
     from patchserve.trainer.report import write_json, write_png
-    from patchserve.trainer.train import train_patch
+    from patchserve.trainer.train import check_trainable, train_patch
 
     if args.full and (args.out or args.registry_given):
         print("error: --full produces a report only (no patch); drop --out/--registry", file=sys.stderr)
         return 2
     config = TrainConfig.from_dict(config_from_args(args))
+    encoder = load_encoder(args.model)
+    check_trainable(encoder, config)  # what this encoder's family cannot train: refused before the data is read
     dev_file, test_file = (DataFile.read(f) if f else None for f in (args.dev, args.test))
     splits = load_splits(DataFile.read(args.train), dev_file, test_file, kind=config.kind, seed=config.seed)
     train, dev, test = splits.train, splits.dev, splits.test
@@ -93,7 +95,6 @@ def _train(args: argparse.Namespace) -> int:
 
         registry = open_registry(args.registry, keep_versions=args.keep_versions, min_replicas=args.redis_min_replicas)
         registry.ping()
-    encoder = load_encoder(args.model)
     progress = progress_logger()  # None on a terminal: the progress bar shows there
     result = train_patch(encoder, train, dev, config, test=test, on_progress=progress)
     report = result.report

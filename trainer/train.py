@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchserve.patches.bitfit import trained_names
 from patchserve.patches.data import Dataset
 from patchserve.patches.encoder import Encoder, resolve_device
+from patchserve.patches.errors import EncoderError
 from patchserve.patches.format import Patch
 from patchserve.patches.lora import init_factors
 from patchserve.patches.model import TaskModel
@@ -39,6 +41,33 @@ from patchserve.trainer.progress import ProgressFn, StopFn, TrainingStopped, nev
 from patchserve.trainer.runs import RunGroup, TrainingContext
 
 Result = tuple[RunModel, dict[str, Any]]  # a trained run: its model and its RunGroup.results() entry
+
+
+def check_trainable(encoder: Encoder, config: TrainConfig, *, packed: bool | None = None) -> str | None:
+    """Refuse, before any data is read or any step taken, a run this encoder's family cannot train: (IA)^3 scales
+    and LoRA off the packed model, a patch with nothing to train (an encoder without biases, such as ModernBERT),
+    pooling on a pooler the encoder lacks. Returns why the packed model is off (None: it is on)."""
+    model = encoder.model
+    pooling = config.pooling or encoder.default_pooling
+    if pooling == "pooler" and getattr(model, "pooler", None) is None:
+        raise EncoderError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
+    unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(model)
+    if packed and unsupported:
+        raise EncoderError(f"packed training is not possible: {unsupported}")
+    if (config.scales == "ia3" or config.lora_rank) and (packed is False or unsupported):
+        what = "LoRA trains" if config.lora_rank else "(IA)^3 scales train"
+        raise EncoderError(
+            f"{what} on the packed model, which is off here ({unsupported or 'packed=False'}); train a bitfit "
+            "patch (the default) on this encoder, or this kind on a BERT encoder (docs/encoders.md lists what each "
+            "family trains)"
+        )
+    if not config.full and not trained_names(model, config.bias_subset, config.scales) and not config.lora_rank:
+        raise EncoderError(
+            f"this encoder ({type(model).__name__}) has no bias parameters, so a BitFit patch has nothing to train "
+            "(bias patches for encoders without biases are not served yet); use an encoder with biases "
+            "(docs/encoders.md lists the families)"
+        )
+    return unsupported
 
 
 @dataclass
@@ -76,18 +105,10 @@ class PatchTraining:
             kinds = "/".join(ds.kind if ds else "-" for ds in (dev, test, heldout))
             raise ValueError(f"train is {kind} but dev/test/heldout are {kinds}; use one kind")
         pooling = config.pooling or encoder.default_pooling
-        if pooling == "pooler" and getattr(encoder.model, "pooler", None) is None:
-            raise ValueError("pooling 'pooler' needs an encoder with a pooler layer; use 'cls' or 'mean'")
         metric = config.selection_metric(kind, labels)
         config.check_head_init(kind)
-        unsupported = "full fine-tuning trains every weight" if config.full else packed_unsupported(encoder.model)
-        if packed and unsupported:
-            raise ValueError(f"packed training is not possible: {unsupported}")
+        unsupported = check_trainable(encoder, config, packed=packed)
         self.packed = unsupported is None if packed is None else packed
-        if (config.scales == "ia3" or config.lora_rank) and not self.packed:
-            why = unsupported or "packed=False"
-            what = "LoRA trains" if config.lora_rank else "(IA)^3 scales train"
-            raise ValueError(f"{what} on the packed model, which is off here ({why}); train a bitfit patch")
         self.plan = selection.plan(config, kind, len(train), len(dev))
         self.config = self.plan.config
         self.encoder, self.pooling = encoder, pooling
