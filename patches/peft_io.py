@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from patchserve.patches.arch import arch_of_sites
+from patchserve.patches.arch import HEAD_MODULES, arch_of_sites
 from patchserve.patches.bitfit import ia3_roles
 from patchserve.patches.encoder import Encoder
 from patchserve.patches.errors import PatchError
@@ -58,9 +58,9 @@ HEAD_FILE = "patchserve_head.safetensors"  # the head of an exported mean/cls-po
 MAX_ADAPTER_BYTES = 256 * 1024 * 1024
 _WRAPPED = "base_model.model."
 _HEADS = ("classifier", "score")  # the one-layer task head of a *ForSequenceClassification / *ForTokenClassification
-# a task model's head modules beyond that one layer (DistilBERT's pre_classifier; RoBERTa's and ELECTRA's
-# classifier.dense + classifier.out_proj)
-_HEAD_PARTS = (*_HEADS, "pre_classifier")
+# the top modules of every described family's head (DistilBERT's pre_classifier; RoBERTa's and ELECTRA's
+# classifier.dense + classifier.out_proj): weights there beyond the one layer are a head of more than one layer
+_HEAD_PARTS = frozenset(_HEADS) | {m.split(".")[0] for m in HEAD_MODULES}
 _WRAPPER_COPIES = ("original_module", "modules_to_save")
 _KINDS = {"SEQ_CLS": "classification", "TOKEN_CLS": "token-classification"}
 

@@ -194,3 +194,18 @@ def test_the_trainer_refuses_what_a_family_cannot_train_before_reading_data(
     err = capsys.readouterr().err
     assert code != 0 and re.search(why, err), err
     assert "Traceback" not in err and "absent.jsonl" not in err
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_head_modules_are_the_family_s_classification_head(model_type):
+    """What PEFT saves of a *ForSequenceClassification head (its modules_to_save) is what the description names."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = _tiny(model_type).config
+    config.num_labels = 3
+    model = AutoModelForSequenceClassification.from_config(config)
+    modules = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    heads = set(arch_of(config).heads)
+    assert heads <= modules, heads - modules
+    base = model.base_model_prefix
+    assert {n for n in modules if not n.startswith(base + ".")} == heads  # every linear outside the encoder

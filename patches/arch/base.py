@@ -54,8 +54,8 @@ class Arch:
     sites: Mapping[str, str]  # layer site -> module path inside a layer (every one of LAYER_SITES)
     top: Mapping[str, str] = field(default_factory=dict)  # top site -> module path (those the family has)
     positions: Positions = "absolute"
-    # the modules of the family's *ForSequenceClassification / *ForTokenClassification head, as PEFT saves them in
-    # an adapter (``modules_to_save``); a patch serves a one-layer head on the pooler or the tokens
+    # the modules of the family's *ForSequenceClassification head, as PEFT saves them in an adapter
+    # (``modules_to_save``); a patch serves a one-layer head (BERT's) on the pooler or the tokens
     heads: tuple[str, ...] = ("classifier",)
 
     def __post_init__(self) -> None:

@@ -21,8 +21,15 @@ _LAYER = "encoder.layer.{i}"
 BERT = Arch("bert", ("bert",), _LAYER, BERT_SITES, _TOP)
 # RoBERTa and the families built on its code count positions from padding_idx + 1; their classification head is
 # classifier.dense + classifier.out_proj on the first token
+_TWO_LAYER_HEAD = ("classifier.dense", "classifier.out_proj")
 ROBERTA = Arch(
-    "roberta", ("roberta", "xlm-roberta", "camembert"), _LAYER, BERT_SITES, _TOP, positions="absolute-padding-offset"
+    "roberta",
+    ("roberta", "xlm-roberta", "camembert"),
+    _LAYER,
+    BERT_SITES,
+    _TOP,
+    positions="absolute-padding-offset",
+    heads=_TWO_LAYER_HEAD,
 )
-# ELECTRA's discriminator: BERT's layer, no pooler (its heads read the first token)
-ELECTRA = Arch("electra", ("electra",), _LAYER, BERT_SITES, {"emb_norm": "embeddings.LayerNorm"})
+# ELECTRA's discriminator: BERT's layer, no pooler (its classification head reads the first token, as RoBERTa's)
+ELECTRA = Arch("electra", ("electra",), _LAYER, BERT_SITES, {"emb_norm": "embeddings.LayerNorm"}, heads=_TWO_LAYER_HEAD)

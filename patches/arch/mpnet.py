@@ -1,5 +1,5 @@
 """MPNet: BERT's layer under its own names (attention.attn.q ...), positions from padding_idx + 1, and a relative
-position bias shared by every layer (no bias parameter of a site)."""
+position bias shared by every layer (no bias parameter of a site), RoBERTa's classification head."""
 
 from __future__ import annotations
 
@@ -22,4 +22,5 @@ MPNET = Arch(
     },
     {"emb_norm": "embeddings.LayerNorm", "pooler": "pooler.dense"},
     positions="absolute-padding-offset",
+    heads=("classifier.dense", "classifier.out_proj"),  # RoBERTa's head on the first token
 )

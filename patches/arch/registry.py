@@ -13,6 +13,8 @@ from patchserve.patches.arch.mpnet import MPNET
 
 FAMILIES: tuple[Arch, ...] = (BERT, ROBERTA, ELECTRA, DISTILBERT, MPNET)
 ARCHS: dict[str, Arch] = {t: a for a in FAMILIES for t in a.model_types}
+#: every module of a described family's sequence-classification head, as PEFT saves it (``modules_to_save``)
+HEAD_MODULES: frozenset[str] = frozenset(h for a in FAMILIES for h in a.heads)
 #: where a user reads which families are described and how a new one is added
 DOCS_PAGE = "docs/encoders.md"
 
