@@ -14,6 +14,7 @@ from torch import nn
 
 from patchserve.patches import packed_model
 from patchserve.patches.bitfit import apply_values, bias_parameters, ia3_base, ia3_sites, scale_names, target_names
+from patchserve.patches.errors import EncoderError
 from patchserve.patches.model import TaskModel
 from patchserve.patches.packed_attention import attention_groups, length_groups
 from patchserve.patches.packed_layout import add_exact_attention
@@ -537,7 +538,7 @@ def test_train_patch_packs_bitfit_and_pads_full_fine_tuning(tmp_path, tiny_encod
     assert isinstance(packed.model, TaskModel)  # the chosen run as a plain model
     full = train_patch(tiny_encoder, train, dev, train_config(min_steps=4, eval_every=2, full=True))
     assert full.report["forward"] == "padded"
-    with pytest.raises(ValueError, match="full fine-tuning"):
+    with pytest.raises(EncoderError, match="full fine-tuning"):
         train_patch(tiny_encoder, train, dev, train_config(full=True), packed=True)
 
 
