@@ -59,6 +59,7 @@ log = logging.getLogger("patchserve")
 
 ENGINE_ADDRESS_ENV = "_PATCHSERVE_ENGINE"  # set by the supervisor for its front ends (server/supervisor.py)
 SETTINGS_ENV = "_PATCHSERVE_SETTINGS"
+SUPERVISOR_PID_ENV = "_PATCHSERVE_SUPERVISOR_PID"
 ENGINE_CONNECT_TIMEOUT_S = 600.0  # a front end started while the engine (re)loads a large model waits this long
 
 
@@ -131,8 +132,9 @@ async def _remote_engine(address: str) -> tuple[EncoderInfo, RemoteEngine]:
 
 
 async def _stop_when_orphaned() -> None:
-    """A front end whose supervisor was killed stops itself (gracefully, as on SIGTERM): no one else would."""
-    parent = os.getppid()
+    """A front end whose supervisor was killed stops itself (gracefully, as on SIGTERM): no one else would. The
+    supervisor's pid comes from its environment: one that died while this front end was starting is seen too."""
+    parent = int(os.environ.get(SUPERVISOR_PID_ENV, os.getppid()))
     while os.getppid() == parent:
         await asyncio.sleep(1.0)
     log.error("the supervisor (pid %d) is gone; stopping this front end", parent)

@@ -9,7 +9,8 @@ socket, and this process watching over both (the way vLLM splits its API servers
   a 503 at once. An engine that dies more than ``MAX_ENGINE_DEATHS`` times in ``ENGINE_DEATH_WINDOW_S`` seconds,
   or whose restart fails, stops the server with status 1, so an orchestrator can act.
 * SIGTERM or SIGINT drains: the front ends stop taking connections and finish their requests (up to 30 s), then the
-  engine stops.
+  engine stops, told through a pipe (it ignores both signals, which reach it too when the whole process group is
+  signalled, as Ctrl-C, ``kill -TERM -PGID`` and systemd do).
 
 Every process writes its metrics to a shared folder (prometheus_client's multiprocess mode), so /metrics on any
 front end covers them all.
@@ -17,6 +18,7 @@ front end covers them all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -37,8 +39,8 @@ from uvicorn.config import STARTUP_FAILURE as FRONT_END_STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Process as FrontEnd  # a uvicorn worker process with a health check
 
 from patchserve.patches.encoder import resolve_device
-from patchserve.server.app import ENGINE_ADDRESS_ENV, SETTINGS_ENV
-from patchserve.server.engine.process import STARTUP_FAILURE, Startup, run_engine_process
+from patchserve.server.app import ENGINE_ADDRESS_ENV, SETTINGS_ENV, SUPERVISOR_PID_ENV
+from patchserve.server.engine.process import STARTUP_FAILURE, STOP, Startup, run_engine_process
 from patchserve.server.settings import ServerSettings
 
 log = logging.getLogger("patchserve.supervisor")
@@ -61,17 +63,24 @@ class EngineProcess:
         self.address = address
         self.process: BaseProcess | None = None
         self._startup: Connection | None = None
+        self._stop: Connection | None = None  # the engine stops when this says STOP or closes (this process died)
         self.ready = False
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         receive, send = ctx.Pipe(duplex=False)
+        stop_receive, stop_send = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
-            target=run_engine_process, args=(self.settings_json, self.address, send), name="patchserve-engine"
+            target=run_engine_process,
+            args=(self.settings_json, self.address, send, stop_receive),
+            name="patchserve-engine",
         )
         self.process.start()
         send.close()
-        self._startup, self.ready = receive, False
+        stop_receive.close()
+        if self._stop is not None:  # the pipe of an engine that died
+            self._stop.close()
+        self._startup, self._stop, self.ready = receive, stop_send, False
 
     def poll(self, timeout: float = 0.0) -> bool:
         """True once the engine said it is ready; raises EngineStartError if it failed or died starting."""
@@ -106,11 +115,13 @@ class EngineProcess:
         return None if self.process is None else self.process.pid
 
     def stop(self) -> None:
-        """SIGTERM (it answers what it holds, then exits), SIGKILL if it lingers."""
+        """STOP on its pipe (it answers what it holds, then exits; it ignores SIGTERM, which a process group's stop
+        would send it before its front ends have drained), SIGKILL if it lingers."""
         if self.process is None or not self.process.is_alive():
             return
-        assert self.process.pid is not None
-        os.kill(self.process.pid, signal.SIGTERM)
+        assert self._stop is not None
+        with contextlib.suppress(OSError):  # BrokenPipeError: it is exiting already
+            self._stop.send_bytes(STOP)
         self.process.join(ENGINE_STOP_TIMEOUT_S)
         if self.process.is_alive():
             log.error("the engine process did not stop in %g s; killing it", ENGINE_STOP_TIMEOUT_S)
@@ -240,6 +251,7 @@ def serve(settings: ServerSettings) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # read by every child when it imports prometheus_client
     os.environ[ENGINE_ADDRESS_ENV] = address
     os.environ[SETTINGS_ENV] = settings.to_json()
+    os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     config = Config(
         "patchserve.server.app:front_end_factory",
         factory=True,

@@ -253,6 +253,22 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path, tiny_bert_dir, registr
     assert all(len(a.json()["predictions"]) == len(big) for a in answers)
 
 
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: whoever reaps orphans here may not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_supervisor_takes_its_engine_and_front_ends_with_it(tmp_path, tiny_bert_dir, registry_url):
+    with multi(tmp_path, tiny_bert_dir, registry_url) as server:
+        children = [server.engine_pid(), *server.front_end_pids()]
+        os.kill(server.proc.pid, signal.SIGKILL)
+        _until(lambda: all(_gone(pid) for pid in children), 60, "the engine and the front ends to exit")
+    assert "the supervisor is gone" in server.log.read_text()
+
+
 def test_an_engine_that_cannot_start_stops_serve_with_status_3(tmp_path):
     port = free_port()
     log = tmp_path / "server.log"

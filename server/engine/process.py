@@ -8,9 +8,10 @@ one it does not hold, so it never reads the registry to serve (a front end that 
 resolved: hot swap keeps its semantics, and a task deleted meanwhile still finishes its in-flight requests). Only
 ``--preload`` reads the registry, once, at start-up.
 
-It stops on SIGTERM after the requests it holds are answered (the supervisor sends it once every front end has
-drained), ignores SIGINT (a Ctrl-C reaches the whole process group; the supervisor decides the order), and exits
-when its supervisor is gone.
+It stops when its supervisor tells it to, through a pipe, once every front end has drained, after the requests it
+holds are answered; it exits the same way when its supervisor is gone (the pipe's end closes). It ignores SIGINT and
+SIGTERM: a Ctrl-C, ``kill -TERM -PGID`` or systemd's stop reaches the whole process group at once, and an engine that
+stopped on it would fail the requests its front ends are still draining; the supervisor decides the order.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from patchserve.server.settings import ServerSettings
 
 log = logging.getLogger("patchserve.engine")
 
+STOP = b"stop"  # what the supervisor sends on the engine's stop pipe
 STARTUP_FAILURE = 3  # the exit status of an engine that could not start: restarting it would fail the same way
 
 
@@ -416,19 +418,12 @@ def _build(settings: ServerSettings) -> EngineServer:
     return EngineServer(engine, spec, info, cache, settings.max_patch_bytes)
 
 
-async def _serve(server: EngineServer, address: str, startup: Connection) -> None:
+async def _serve(server: EngineServer, address: str, startup: Connection, stop_pipe: Connection) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    parent = os.getppid()
-
-    async def orphaned() -> None:  # the supervisor was killed: nobody will send SIGTERM
-        while os.getppid() == parent:
-            await asyncio.sleep(1.0)
-        log.error("engine: the supervisor is gone; stopping")
-        stop.set()
-
-    watch = asyncio.ensure_future(orphaned())
+    # the pipe turns readable when the supervisor asks (a message) or is gone (end of file): stop either way
+    loop.add_reader(stop_pipe.fileno(), stop.set)
+    loop.add_signal_handler(signal.SIGTERM, _sigterm_is_the_supervisors)
     server.engine.start()
     bound = asyncio.Event()
     serving = asyncio.ensure_future(server.serve(address, stop, bound))
@@ -448,13 +443,29 @@ async def _serve(server: EngineServer, address: str, startup: Connection) -> Non
     try:
         await serving
     finally:
-        watch.cancel()
+        loop.remove_reader(stop_pipe.fileno())
+        if not _asked_to_stop(stop_pipe):
+            log.error("engine: the supervisor is gone; stopped")
         await server.engine.stop()
 
 
-def run_engine_process(settings_json: str, address: str, startup: Connection) -> None:
-    """The engine process's entry point (spawned by the supervisor): build, tell the supervisor, serve."""
+def _sigterm_is_the_supervisors() -> None:
+    log.info("engine: SIGTERM ignored: the supervisor stops the engine once its front ends have drained")
+
+
+def _asked_to_stop(stop_pipe: Connection) -> bool:
+    """Whether the supervisor sent the stop (rather than vanished)."""
+    try:
+        return stop_pipe.poll() and stop_pipe.recv_bytes() == STOP
+    except (EOFError, OSError):
+        return False
+
+
+def run_engine_process(settings_json: str, address: str, startup: Connection, stop_pipe: Connection) -> None:
+    """The engine process's entry point (spawned by the supervisor): build, tell the supervisor, serve until the
+    supervisor sends ``STOP`` on ``stop_pipe`` or closes it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # while it loads; then _serve logs one that arrives
     settings = ServerSettings.from_json(settings_json)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -463,4 +474,4 @@ def run_engine_process(settings_json: str, address: str, startup: Connection) ->
         log.error("engine: cannot start: %s", exc)
         startup.send_bytes(msgspec.msgpack.encode(Startup(error=str(exc))))
         sys.exit(STARTUP_FAILURE)
-    asyncio.run(_serve(server, address, startup))
+    asyncio.run(_serve(server, address, startup, stop_pipe))
