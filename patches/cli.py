@@ -107,14 +107,24 @@ def _tasks(args: argparse.Namespace) -> int:
     from patchserve.patches.store import open_registry
 
     reg = open_registry(args.registry)
-    snap = reg.snapshot()
+    found: dict[str, Any] = {}
+    listed, after = 0, None
+    while True:  # a page at a time: each task's record is read once, however many there are
+        page = reg.page(1000, after=after, prefix=args.prefix or "")
+        listed += len(page.items)
+        for v in page.items:
+            if args.json:
+                found[v.task] = v.to_dict()
+            else:
+                print(f"{v.task}\tv{v.version}\t{v.patch_id}\t{v.registered_at}")
+        if page.next_after is None:
+            break
+        after = page.next_after
     if args.json:
-        print(json.dumps({t: v.to_dict() for t, v in snap.items()}, indent=2))
-    elif not snap:
-        print(f"no tasks registered in {reg.url}")
-    else:
-        for task, v in snap.items():
-            print(f"{task}\tv{v.version}\t{v.patch_id}\t{v.registered_at}")
+        print(json.dumps(found, indent=2))
+    elif not listed:
+        what = f"named {args.prefix}*" if args.prefix else "registered"
+        print(f"no tasks {what} in {reg.url}")
     return 0
 
 
@@ -261,6 +271,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("tasks", help="list the tasks in a registry with their current versions")
     add_registry_option(p)
+    p.add_argument("--prefix", help="only the tasks whose names start with this (default: every task)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_tasks)
 

@@ -146,6 +146,7 @@ class _Call(Generic[T]):
     files: dict[str, Any] | None = None
     data: dict[str, Any] | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    whole: bool = False  # parse reads the httpx.Response (headers too), not only its JSON
 
 
 def _model(cls: type[BaseModel]) -> Callable[[Any], Any]:
@@ -155,6 +156,28 @@ def _model(cls: type[BaseModel]) -> Callable[[Any], Any]:
 def _models(cls: type[BaseModel]) -> Callable[[Any], Any]:
     adapter = TypeAdapter(list[cls])  # type: ignore[valid-type]
     return adapter.validate_python
+
+
+@dataclass
+class TasksPage:
+    """A page of GET /tasks: tasks by name, and the cursor of the next page (None: this was the last)."""
+
+    tasks: list[TaskSummary]
+    next_cursor: str | None
+
+
+PAGE_LIMIT = 1000  # the largest page a server gives: what tasks() asks for
+
+
+def _tasks_page(limit: int | None, cursor: str | None, prefix: str | None) -> _Call[TasksPage]:
+    params = {"limit": limit, "cursor": cursor, "prefix": prefix}
+    summaries = _models(TaskSummary)
+
+    def parse(response: httpx.Response) -> TasksPage:
+        link = response.links.get("next", {}).get("url")
+        return TasksPage(summaries(response.json()), None if link is None else httpx.URL(link).params.get("cursor"))
+
+    return _Call("GET", "/tasks", parse, params={k: v for k, v in params.items() if v is not None}, whole=True)
 
 
 def _inputs(inputs: Inputs) -> Any:
@@ -316,7 +339,7 @@ class Client:
             call.method, call.path, json=call.json, files=call.files, data=call.data, params=call.params
         )
         _raise_for(response)
-        return call.parse(response.json())
+        return call.parse(response if call.whole else response.json())
 
     def healthy(self) -> bool:
         """The server process answers (GET /healthz)."""
@@ -349,9 +372,23 @@ class Client:
         ``labels`` in head order (default LABEL_0, LABEL_1, ...)."""
         return self._send(_register(patch, task, labels))
 
-    def tasks(self) -> list[TaskSummary]:
-        """Every task with its current version."""
-        return self._send(_Call("GET", "/tasks", _models(TaskSummary)))
+    def tasks(self, *, prefix: str | None = None) -> list[TaskSummary]:
+        """Every task (with ``prefix``: every task whose name starts so) with its current version, by name, read a
+        page at a time (``tasks_page``)."""
+        found, cursor = [], None
+        while True:
+            page = self.tasks_page(limit=PAGE_LIMIT, cursor=cursor, prefix=prefix)
+            found += page.tasks
+            if page.next_cursor is None:
+                return found
+            cursor = page.next_cursor
+
+    def tasks_page(
+        self, *, limit: int | None = None, cursor: str | None = None, prefix: str | None = None
+    ) -> TasksPage:
+        """One page of tasks by name (``limit``: the server's default, 100), from ``cursor`` (a previous page's
+        ``next_cursor``; it stays valid while tasks are added or deleted)."""
+        return self._send(_tasks_page(limit, cursor, prefix))
 
     def task(self, name: str) -> TaskDetail:
         """A task's versions, its current one, and the current patch's metadata."""
@@ -424,7 +461,7 @@ class AsyncClient:
             call.method, call.path, json=call.json, files=call.files, data=call.data, params=call.params
         )
         _raise_for(response)
-        return call.parse(response.json())
+        return call.parse(response if call.whole else response.json())
 
     async def healthy(self) -> bool:
         try:
@@ -448,8 +485,19 @@ class AsyncClient:
     ) -> TaskRegistered:
         return await self._send(_register(patch, task, labels))
 
-    async def tasks(self) -> list[TaskSummary]:
-        return await self._send(_Call("GET", "/tasks", _models(TaskSummary)))
+    async def tasks(self, *, prefix: str | None = None) -> list[TaskSummary]:
+        found, cursor = [], None
+        while True:
+            page = await self.tasks_page(limit=PAGE_LIMIT, cursor=cursor, prefix=prefix)
+            found += page.tasks
+            if page.next_cursor is None:
+                return found
+            cursor = page.next_cursor
+
+    async def tasks_page(
+        self, *, limit: int | None = None, cursor: str | None = None, prefix: str | None = None
+    ) -> TasksPage:
+        return await self._send(_tasks_page(limit, cursor, prefix))
 
     async def task(self, name: str) -> TaskDetail:
         return await self._send(_Call("GET", f"/tasks/{name}", _model(TaskDetail)))

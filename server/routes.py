@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
+from urllib.parse import urlencode
 
-from fastapi import APIRouter, File, Form, HTTPException, Request, Response, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Query, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -21,16 +23,21 @@ from patchserve.patches.api import (
     VersionPublic,
 )
 from patchserve.patches.cli import patch_summary
-from patchserve.patches.errors import PatchError, PatchServeError, PatchTooLargeError
+from patchserve.patches.errors import InvalidTaskNameError, PatchError, PatchServeError, PatchTooLargeError
 from patchserve.patches.format import Patch
 from patchserve.patches.peft_archive import AdapterTooLargeError, adapter_files, is_archive
 from patchserve.patches.peft_io import import_peft_bytes
+from patchserve.patches.validation import validate_task_name
 from patchserve.server.deps import AdminAuth, ReadAuth, ServiceDep
 from patchserve.server.inference import InferenceService, name_task, run_rows
 from patchserve.server.openapi import TaskName, errors
 from patchserve.server.predict import check_request, decode, normalise_inputs
 
 router = APIRouter()
+
+DEFAULT_PAGE = 100  # tasks in a page of GET /tasks unless asked
+MAX_PAGE = 1000
+NEXT_PAGE_LINK = '`<URL>; rel="next"`: the next page, where more tasks follow (none on the last page)'
 
 
 @router.post(
@@ -109,14 +116,48 @@ async def register(
     )
 
 
-@router.get("/tasks", response_model=list[TaskSummary], responses=errors(401, 403, 503), tags=["tasks"])
-async def list_tasks(svc: ServiceDep, _: ReadAuth) -> Any:
-    """Every registered task with its current version."""
-    snap = await run_in_threadpool(svc.registry.snapshot)
+@router.get(
+    "/tasks",
+    response_model=list[TaskSummary],
+    responses=errors(401, 403, 422, 503)
+    | {200: {"headers": {"Link": {"description": NEXT_PAGE_LINK, "schema": {"type": "string"}}}}},
+    tags=["tasks"],
+)
+async def list_tasks(
+    request: Request,
+    response: Response,
+    svc: ServiceDep,
+    _: ReadAuth,
+    limit: int = Query(DEFAULT_PAGE, ge=1, le=MAX_PAGE, description="How many tasks, at most, in this page."),
+    cursor: str | None = Query(None, max_length=128, description="Where to go on: from the previous page's Link."),
+    prefix: str = Query("", max_length=64, pattern=r"^[A-Za-z0-9_.\-]*$", description="Only tasks named so."),
+) -> Any:
+    """Registered tasks with their current versions, by name, a page at a time. Where more follow, the ``Link``
+    header names the next page (``rel="next"``): a cursor that stays valid while tasks are added or deleted."""
+    after = decode_cursor(cursor) if cursor is not None else None
+    page = await run_in_threadpool(svc.registry.page, limit, after=after, prefix=prefix)
+    if page.next_after is not None:
+        params = {"limit": limit, "cursor": encode_cursor(page.next_after)} | ({"prefix": prefix} if prefix else {})
+        response.headers["Link"] = f'<{request.url.path}?{urlencode(params)}>; rel="next"'
     return [
-        TaskSummary(name=t, version=v.version, patch_id=v.patch_id, registered_at=v.registered_at)
-        for t, v in snap.items()
+        TaskSummary(name=v.task, version=v.version, patch_id=v.patch_id, registered_at=v.registered_at)
+        for v in page.items
     ]
+
+
+def encode_cursor(after: str) -> str:
+    return base64.urlsafe_b64encode(after.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> str:
+    """The task name a cursor stands for; a 422 for one this server did not write."""
+    try:
+        after = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        return validate_task_name(after)
+    except (ValueError, InvalidTaskNameError):
+        raise HTTPException(
+            422, f"cursor {cursor[:40]!r} is not one this server wrote: pass the one a page's Link header gave"
+        ) from None
 
 
 @router.get("/tasks/{name}", response_model=TaskDetail, responses=errors(401, 403, 404, 422, 503), tags=["tasks"])

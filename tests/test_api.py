@@ -242,6 +242,45 @@ def test_task_management_routes(make_client, tiny_encoder):
     assert client.get("/tasks").json() == []
 
 
+def test_get_tasks_is_paged_by_name_with_a_link_to_the_next_page(make_client, tiny_encoder, tmp_path):
+    from patchserve.patches.store import open_registry
+    from patchserve.server.routes import DEFAULT_PAGE
+
+    reg = open_registry(f"disk://{tmp_path}/reg")
+    patch = make_patch(tiny_encoder, "t", seed=1)
+    names = [f"t{i:03d}" for i in range(DEFAULT_PAGE + 3)] + ["b-1", "b-2", "b-3"]
+    for name in names:
+        reg.put(Patch(replace(patch.meta, task=name), patch.biases, patch.head_weight, patch.head_bias))
+    client = make_client()
+    first = client.get("/tasks")
+    assert [t["name"] for t in first.json()] == sorted(names)[:DEFAULT_PAGE]  # the default page is bounded
+    seen, url = [], "/tasks?limit=40"
+    while url:
+        r = client.get(url)
+        seen += [t["name"] for t in r.json()]
+        url = r.links.get("next", {}).get("url")
+    assert seen == sorted(names)
+    r = client.get("/tasks", params={"prefix": "b-", "limit": 2})
+    assert [t["name"] for t in r.json()] == ["b-1", "b-2"]
+    assert "prefix=b-" in r.headers["link"] and 'rel="next"' in r.headers["link"]
+    r = client.get(r.links["next"]["url"])
+    assert [t["name"] for t in r.json()] == ["b-3"] and "link" not in r.headers
+    # the cursor stays valid while tasks are added (a task behind it is not listed, one ahead is) or deleted
+    r = client.get("/tasks", params={"limit": 1})
+    reg.put(Patch(replace(patch.meta, task="a-0"), patch.biases, patch.head_weight, patch.head_bias))
+    reg.delete("b-2")
+    assert [t["name"] for t in client.get(r.links["next"]["url"]).json()] == ["b-3"]
+    for params, words in (
+        ({"cursor": "%%%"}, "cursor"),
+        ({"cursor": "Li4vZXRj"}, "cursor"),  # ../etc: not a task name, so not a cursor of ours
+        ({"limit": 0}, "limit"),
+        ({"limit": 1001}, "limit"),
+        ({"prefix": "../"}, "prefix"),
+    ):
+        r = client.get("/tasks", params=params)
+        assert r.status_code == 422 and words in r.json()["detail"], (params, r.text)
+
+
 def test_a_retired_patch_type_in_the_registry_is_a_409_that_says_what_to_do(make_client, tiny_encoder, tmp_path):
     """A registry an earlier release wrote may hold a bitfit-ln patch (a type since removed): predicting with it is
     a 409 naming the version and what to do, the task stays listed, a rollback serves again, and uploading one is
@@ -616,7 +655,8 @@ def test_api_docs_work_offline_and_the_schema_is_exact(make_client):
     assert "HTTPValidationError" not in spec["components"]["schemas"]  # every 422 is {"detail": "..."}
     codes = {key: {c for c in op["responses"] if c.startswith(("4", "5"))} for key, op in ops.items()}
     assert codes[("/healthz", "get")] == set() and codes[("/readyz", "get")] == {"503"}
-    assert codes[("/tasks", "get")] == {"401", "403", "503"}  # no 404 or 413 where none can happen
+    assert codes[("/tasks", "get")] == {"401", "403", "422", "503"}  # no 404 or 413 where none can happen
+    assert "Link" in ops[("/tasks", "get")]["responses"]["200"]["headers"]
     assert codes[("/tasks/{name}", "delete")] == {"401", "403", "404", "422", "503"}
     assert codes[("/jobs/{job_id}/cancel", "post")] == {"401", "403", "404", "409", "422", "501", "503"}
     assert "504" in codes[("/tasks/{name}/predict", "post")] and "409" not in codes[("/jobs", "post")]

@@ -55,6 +55,21 @@ def test_register_and_list_tasks(tmp_path, tiny_encoder, capsys):
     assert "registered sentiment v1" in capsys.readouterr().out
     assert main(["tasks", "--registry", reg, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sentiment"]["version"] == 1
+    for name in ("trec", "sts-a", "sts-b"):
+        f.write_bytes(make_patch(tiny_encoder, name).data)
+        assert main(["register", str(f), "--registry", reg]) == 0
+    capsys.readouterr()
+    assert main(["tasks", "--registry", reg]) == 0
+    assert [line.split("\t")[:2] for line in capsys.readouterr().out.splitlines()] == [
+        ["sentiment", "v1"],
+        ["sts-a", "v1"],
+        ["sts-b", "v1"],
+        ["trec", "v1"],
+    ]
+    assert main(["tasks", "--registry", reg, "--prefix", "sts-", "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)) == ["sts-a", "sts-b"]
+    assert main(["tasks", "--registry", reg, "--prefix", "x"]) == 0
+    assert "no tasks named x*" in capsys.readouterr().out
 
 
 def test_console_script_is_installed(tmp_path, tiny_encoder):

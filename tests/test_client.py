@@ -86,6 +86,34 @@ def test_tasks_predict_and_every_input_shape(server, tiny_encoder, tmp_path):
         assert ps.delete("sts").deleted and [t.name for t in ps.tasks()] == ["sentiment"]
 
 
+def test_tasks_come_a_page_at_a_time(server, tiny_encoder, monkeypatch):
+    import patchserve.client as client_module
+
+    names = [f"page-{i}" for i in (3, 0, 4, 1, 2)]
+    with Client(server, token=ADMIN) as ps:
+        for name in names:
+            ps.register(make_patch(tiny_encoder, name, seed=1))
+        first = ps.tasks_page(limit=2, prefix="page-")
+        assert [t.name for t in first.tasks] == ["page-0", "page-1"] and first.next_cursor is not None
+        second = ps.tasks_page(limit=2, prefix="page-", cursor=first.next_cursor)
+        assert [t.name for t in second.tasks] == ["page-2", "page-3"]
+        last = ps.tasks_page(limit=2, prefix="page-", cursor=second.next_cursor)
+        assert [t.name for t in last.tasks] == ["page-4"] and last.next_cursor is None
+        monkeypatch.setattr(client_module, "PAGE_LIMIT", 2)  # tasks() follows the pages: 3 of them here
+        assert [t.name for t in ps.tasks(prefix="page-")] == sorted(names)
+        with pytest.raises(InvalidRequest, match="cursor"):
+            ps.tasks_page(cursor="not-a-cursor")
+
+    async def paged() -> list[str]:
+        async with AsyncClient(server, token=ADMIN) as aps:
+            return [t.name for t in await aps.tasks(prefix="page-")]
+
+    assert asyncio.run(paged()) == sorted(names)
+    with Client(server, token=ADMIN) as ps:
+        for name in names:
+            ps.delete(name)
+
+
 def test_errors_are_typed_and_carry_the_servers_message(server):
     with Client(server) as anonymous, Client(server, token="wrong") as stranger, Client(server, token=ADMIN) as ps:
         with pytest.raises(Unauthorized) as exc:

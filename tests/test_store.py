@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from patchserve.patches.errors import (
     InvalidTaskNameError,
@@ -20,6 +22,7 @@ from patchserve.patches.errors import (
     VersionNotFoundError,
 )
 from patchserve.patches.store import Change, DiskRegistry, open_registry
+from patchserve.patches.store.base import page_names
 from patchserve.patches.store.redis import RedisRegistry
 from patchserve.patches.store.redis_client import parse_redis_url
 from tests.helpers import make_patch
@@ -568,3 +571,68 @@ def test_patchserve_prune_unservable_deletes_retired_versions_and_names_a_curren
     assert "sentiment: deleted v1" in captured.out and "deleted 1 versions of 1 tasks" in captured.out
     assert "other: v1 is current and this build cannot serve it; retrain the task or roll back" in captured.err
     assert _kept(reg) == [2] and _kept(reg, "other") == [1]
+
+
+def _all_pages(reg, limit, prefix=""):
+    pages, after = [], None
+    while True:
+        page = reg.page(limit, after=after, prefix=prefix)
+        pages.append([i.task for i in page.items])
+        if page.next_after is None:
+            return pages
+        assert page.next_after == page.items[-1].task
+        after = page.next_after
+
+
+def test_paged_listing_by_name_prefix_and_a_cursor_that_survives_changes(registry, patches_abc):
+    names = [f"{p}-{i:02d}" for p in ("alpha", "beta", "beta2", "gamma") for i in range(5)]
+    for i, name in enumerate(names):
+        registry.put(make_patch_for(patches_abc[i % 3], name))
+    assert [t for p in _all_pages(registry, 7) for t in p] == sorted(names)
+    assert [len(p) for p in _all_pages(registry, 7)] == [7, 7, 6]
+    assert _all_pages(registry, 10) == [sorted(names)[:10], sorted(names)[10:]]  # a full last page says so
+    assert _all_pages(registry, 3, prefix="beta") == [
+        ["beta-00", "beta-01", "beta-02"],
+        ["beta-03", "beta-04", "beta2-00"],
+        ["beta2-01", "beta2-02", "beta2-03"],
+        ["beta2-04"],
+    ]
+    assert _all_pages(registry, 3, prefix="delta") == [[]]
+    page = registry.page(1, prefix="gamma")
+    assert page.items == [registry.info("gamma-00")]  # each item is the task's current version record
+    # the cursor stays valid: a task added behind it is not listed, one ahead of it is; a deleted one is left out
+    first = registry.page(5)
+    assert first.next_after == "alpha-04"
+    registry.put(make_patch_for(patches_abc[0], "alpha-00a"))
+    registry.put(make_patch_for(patches_abc[0], "alpha-05"))
+    registry.delete("beta-00")
+    rest = registry.page(4, after=first.next_after)
+    assert [i.task for i in rest.items] == ["alpha-05", "beta-01", "beta-02", "beta-03"]
+    # after a cursor before the prefix starts: from the prefix's first task
+    assert [i.task for i in registry.page(2, after="alpha-02", prefix="gamma").items] == ["gamma-00", "gamma-01"]
+    assert registry.page(2, after="zzz").items == []
+    with pytest.raises(ValueError):
+        registry.page(0)
+
+
+def test_redis_builds_the_paging_index_for_a_registry_written_before_it(redis_registry, patches_abc):
+    for i in range(12):
+        redis_registry.put(make_patch_for(patches_abc[0], f"t{i:02d}"))
+    redis_registry.r.delete(redis_registry.keys.task_names)  # as an older patchserve left it: the task set only
+    reopened = RedisRegistry(redis_registry.url, prefix=redis_registry.keys.prefix)
+    try:
+        assert [t for p in _all_pages(reopened, 5) for t in p] == [f"t{i:02d}" for i in range(12)]
+        assert reopened.r.zcard(reopened.keys.task_names) == 12
+    finally:
+        reopened.close()
+
+
+@given(
+    st.lists(st.text("abc", min_size=1, max_size=4), unique=True).map(sorted),
+    st.none() | st.text("abc", max_size=4),
+    st.text("abc", max_size=2),
+    st.integers(1, 6),
+)
+def test_page_names_is_the_sorted_filter(names, after, prefix, count):
+    expected = [n for n in names if n.startswith(prefix) and (after is None or n > after)][:count]
+    assert page_names(names, after, prefix, count) == expected

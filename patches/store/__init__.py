@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from patchserve.patches.errors import RegistryError
-from patchserve.patches.store.base import Change, Registry, VersionInfo, diff_snapshots, redact_url
+from patchserve.patches.store.base import Change, Registry, TaskPage, VersionInfo, diff_snapshots, redact_url
 from patchserve.patches.store.disk import DiskRegistry
 
 
@@ -60,6 +60,7 @@ __all__ = [
     "Change",
     "DiskRegistry",
     "Registry",
+    "TaskPage",
     "VersionInfo",
     "diff_snapshots",
     "open_registry",

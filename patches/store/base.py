@@ -8,6 +8,7 @@ notification can only delay a change, never lose it.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -86,6 +87,29 @@ class Change:
 
     task: str
     current: VersionInfo | None
+
+
+@dataclass(frozen=True)
+class TaskPage:
+    """One page of the task listing: the current version of each task, by name; ``next_after`` is the name to pass
+    as ``after`` for the next page (None: this is the last)."""
+
+    items: list[VersionInfo]
+    next_after: str | None
+
+
+def page_names(names: list[str], after: str | None, prefix: str, count: int) -> list[str]:
+    """Of the sorted ``names``: up to ``count`` starting with ``prefix`` and sorting after ``after``."""
+    if after is not None and after >= prefix:
+        start = bisect.bisect_right(names, after)
+    else:
+        start = bisect.bisect_left(names, prefix)
+    out = []
+    for name in names[start : start + count]:
+        if not name.startswith(prefix):
+            break
+        out.append(name)
+    return out
 
 
 def parse_time(iso: str) -> float:
@@ -174,6 +198,41 @@ class Registry(ABC):
     @abstractmethod
     def snapshot(self) -> dict[str, VersionInfo]:
         """The current version of every task."""
+
+    def page(self, limit: int, *, after: str | None = None, prefix: str = "") -> TaskPage:
+        """Up to ``limit`` tasks whose names start with ``prefix`` and sort after ``after``, by name, each with its
+        current version. Keyset paging: a page's ``next_after`` stays valid while tasks are added or deleted (a task
+        added behind it is not listed, one ahead of it is). Reads ``limit`` tasks' records, not every task's."""
+        if limit < 1:
+            raise ValueError("a page holds at least one task")
+        items: list[VersionInfo] = []
+        while True:
+            need = limit - len(items)
+            names = self._names_after(after, prefix, need + 1)  # one more: whether anything follows
+            taken = names[:need]
+            infos = self._current_infos(taken)
+            items += [infos[n] for n in taken if n in infos]  # a task deleted since it was listed is left out
+            if len(names) <= need:
+                return TaskPage(items, None)
+            after = taken[-1]
+            if len(items) == limit:
+                return TaskPage(items, after)
+
+    def _names_after(self, after: str | None, prefix: str, count: int) -> list[str]:
+        """Up to ``count`` task names starting with ``prefix`` and sorting after ``after``, in order. A backend
+        with an ordered index answers from it; this reads every name."""
+        names = self.tasks()
+        return page_names(names, after, prefix, count)
+
+    def _current_infos(self, names: list[str]) -> dict[str, VersionInfo]:
+        """The current version of each of ``names`` that still exists."""
+        out: dict[str, VersionInfo] = {}
+        for name in names:
+            try:
+                out[name] = self.info(name)
+            except TaskNotFoundError:
+                continue
+        return out
 
     @abstractmethod
     def generation(self) -> int:

@@ -28,6 +28,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Collection, Iterator
@@ -42,7 +43,7 @@ from patchserve.patches.errors import (
     VersionNotFoundError,
 )
 from patchserve.patches.format import FILE_SUFFIX, Patch
-from patchserve.patches.store.base import Registry, VersionInfo, utc_now, versions_to_prune
+from patchserve.patches.store.base import Registry, VersionInfo, page_names, utc_now, versions_to_prune
 from patchserve.patches.validation import validate_task_name
 
 MANIFEST = "manifest.json"
@@ -86,6 +87,8 @@ class DiskRegistry(Registry):
         self.root = Path(root).expanduser().resolve()
         self.url = f"disk://{self.root}"
         self.poll_interval = poll_interval
+        self._names: tuple[int, list[str]] | None = None  # (generation, every task folder's name, sorted): paging
+        self._names_lock = threading.Lock()
         try:
             for sub in ("tasks", "locks", "trash", "pending"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -283,6 +286,17 @@ class DiskRegistry(Registry):
         return sorted(
             p.name for p in (self.root / "tasks").iterdir() if _is_task_name(p.name) and (p / MANIFEST).is_file()
         )
+
+    def _names_after(self, after: str | None, prefix: str, count: int) -> list[str]:
+        # the folder's names, listed again only when the generation moved (every change moves it); a folder that
+        # is not a task yet (no manifest) or any more is left out by the page's record reads
+        gen = self.generation()
+        with self._names_lock:
+            if self._names is None or self._names[0] != gen:
+                with os.scandir(self.root / "tasks") as entries:
+                    self._names = (gen, sorted(e.name for e in entries if _is_task_name(e.name)))
+            names = self._names[1]
+        return page_names(names, after, prefix, count)
 
     def snapshot(self) -> dict[str, VersionInfo]:
         out: dict[str, VersionInfo] = {}

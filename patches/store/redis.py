@@ -10,6 +10,7 @@ cannot say exactly: trimmed, or written by an older version).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -31,6 +32,7 @@ from patchserve.patches.store.redis_keys import CHANGE_LOG_LENGTH, RedisKeys
 from patchserve.patches.validation import validate_task_name
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _MAX_LOG_READ = 1000  # a watcher further behind than this diffs a snapshot instead (bounded memory per read)
 
 
@@ -49,6 +51,7 @@ class RedisRegistry(Registry):
         self.durable = DurableWrites(conn_url, min_replicas, self._what)
         self._pubsub: Any = None
         self._pubsub_lock = threading.Lock()
+        self._names_indexed = False
 
     def _call(self, fn: Callable[[], T]) -> T:
         return call_redis(fn, self._what)
@@ -72,6 +75,7 @@ class RedisRegistry(Registry):
             pipe.hset(k.versions(task), str(version), json.dumps(info.to_dict()))
             pipe.hset(k.task(task), mapping={"current": version, "last": version})
             pipe.sadd(k.tasks, task)
+            pipe.zadd(k.task_names, {task: 0})
             pipe.incr(k.generation)
             pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
             pipe.publish(k.changes, task)
@@ -92,6 +96,7 @@ class RedisRegistry(Registry):
             pipe.multi()
             pipe.delete(k.task(task), k.versions(task), k.retired(task), *[k.blob(task, int(v)) for v in versions])
             pipe.srem(k.tasks, task)
+            pipe.zrem(k.task_names, task)
             pipe.incr(k.generation)
             pipe.xadd(k.change_log, {"task": task}, maxlen=CHANGE_LOG_LENGTH, approximate=True)
             pipe.publish(k.changes, task)
@@ -190,7 +195,9 @@ class RedisRegistry(Registry):
         return sorted(n.decode() for n in members)
 
     def snapshot(self) -> dict[str, VersionInfo]:
-        names = self.tasks()
+        return self._current_infos(self.tasks())
+
+    def _current_infos(self, names: list[str]) -> dict[str, VersionInfo]:
         if not names:
             return {}
         k = self.keys
@@ -204,6 +211,37 @@ class RedisRegistry(Registry):
             pipe.hget(k.versions(n), str(c))
         records = self._call(pipe.execute)
         return {n: VersionInfo.from_dict(json.loads(r)) for (n, _), r in zip(live, records, strict=True) if r}
+
+    def _names_after(self, after: str | None, prefix: str, count: int) -> list[str]:
+        self._index_names()
+        low = b"(" + after.encode() if after is not None and after >= prefix else b"[" + prefix.encode()
+        high = b"[" + prefix.encode() + b"\xff" if prefix else b"+"  # names are ASCII: 0xff sorts after them all
+        names: Any = self._call(lambda: self.r.zrangebylex(self.keys.task_names, low, high, start=0, num=count))
+        return [n.decode() for n in names]
+
+    def _index_names(self) -> None:
+        """Build the by-name index where it lacks names the task set holds (a registry written before the index
+        existed), once per registry object: writes keep both since."""
+        if self._names_indexed:
+            return
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        pipe.scard(k.tasks)
+        pipe.zcard(k.task_names)
+        in_set, indexed = self._call(pipe.execute)
+        if in_set != indexed:
+            members: Any = self._call(lambda: self.r.smembers(k.tasks))
+            names: list[bytes] = list(members)
+            stale: Any = self._call(lambda: self.r.zrange(k.task_names, 0, -1))
+            pipe = self.r.pipeline(transaction=False)
+            for chunk in range(0, len(names), 10_000):
+                pipe.zadd(k.task_names, dict.fromkeys(names[chunk : chunk + 10_000], 0))
+            gone = set(stale) - set(names)
+            if gone:
+                pipe.zrem(k.task_names, *gone)
+            self._call(pipe.execute)
+            log.info("indexed %d task names for paging in %s", len(names), self.url)
+        self._names_indexed = True
 
     def generation(self) -> int:
         return int(self._call(lambda: self.r.get(self.keys.generation)) or 0)

@@ -20,6 +20,11 @@ class RedisKeys:
         """Set of registered task names."""
         return f"{self.prefix}tasks"
 
+    @property
+    def task_names(self) -> str:
+        """Sorted set of the same names, every score 0: ordered by name, for keyset paging (ZRANGEBYLEX)."""
+        return f"{self.prefix}tasks:by-name"
+
     def task(self, name: str) -> str:
         """Hash {current, last}: the current version and the last version number handed out."""
         return f"{self.prefix}task:{name}"

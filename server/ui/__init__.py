@@ -28,7 +28,7 @@ HERE = Path(__file__).parent
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=HERE / "templates")
 static = StaticFiles(directory=HERE / "static")
-MAX_ROWS = 500  # tasks or jobs shown at once; the JSON API lists them all
+MAX_ROWS = 500  # tasks or jobs shown at once; the JSON API pages through them all
 
 
 @router.get("/ui", response_class=HTMLResponse)
@@ -50,9 +50,11 @@ async def tasks(request: Request, svc: ServiceDep, _: ReadAuth) -> Any:
     """Every task: its current version, kind, patch type, labels, dev score and request rate (from the server's
     metrics)."""
 
-    def read() -> list[dict[str, Any]]:
+    def read() -> tuple[list[dict[str, Any]], bool]:
         rows = []
-        for name, info in sorted(svc.registry.snapshot().items())[:MAX_ROWS]:
+        page = svc.registry.page(MAX_ROWS)  # the first tasks by name: the rest through GET /tasks' pages
+        for info in page.items:
+            name = info.task
             row: dict[str, Any] = {"name": name, "version": info.version, "registered_at": info.registered_at}
             try:
                 _, patch = svc.catalog.resolve(name)
@@ -61,11 +63,11 @@ async def tasks(request: Request, svc: ServiceDep, _: ReadAuth) -> Any:
             except PatchServeError as exc:  # e.g. trained on another base: say so in the row
                 row["problem"] = str(exc)
             rows.append(row)
-        return rows
+        return rows, page.next_after is not None
 
-    rows = await run_in_threadpool(read)
+    rows, capped = await run_in_threadpool(read)
     rates = svc.metrics.request_rates()
-    context = {"rows": rows, "rates": rates, "capped": len(rows) == MAX_ROWS}
+    context = {"rows": rows, "rates": rates, "capped": capped}
     return templates.TemplateResponse(request, "tasks.html", context)
 
 
