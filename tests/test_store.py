@@ -380,8 +380,8 @@ def redis_registry(redis_url):
     reg.close()
 
 
-def test_redis_watcher_reads_only_the_tasks_the_change_log_names(redis_registry, tiny_encoder, monkeypatch):
-    reg = redis_registry
+def test_watchers_read_only_the_tasks_the_change_log_names(registry, tiny_encoder, monkeypatch):
+    reg = registry
     for i in range(20):
         reg.put(make_patch(tiny_encoder, f"t{i}", seed=i + 1))
     snapshots = []
@@ -426,6 +426,59 @@ def test_redis_watcher_diffs_a_snapshot_when_the_log_cannot_say(redis_registry, 
     stop.set()
     t.join(timeout=5)
     assert len(snapshots) == 2  # the starting one, and the diff that found the rollback
+
+
+def test_disk_watcher_diffs_a_snapshot_when_the_log_cannot_say(tmp_path, tiny_encoder, monkeypatch):
+    from patchserve.patches.store.disk import atomic_write
+
+    reg = DiskRegistry(tmp_path / "reg", poll_interval=0.02)
+    v1 = reg.put(make_patch(tiny_encoder, "a", seed=1))
+    reg.put(make_patch(tiny_encoder, "a", seed=2))
+    snapshots = []
+    real = reg.snapshot
+    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())
+    stop = threading.Event()
+    seen, t = _watch_in_thread(reg, stop)
+    # a rollback written the way a version without the log writes it: the manifest and the generation, no line
+    manifest = json.loads((tmp_path / "reg" / "tasks" / "a" / "manifest.json").read_bytes())
+    reg._write_manifest("a", manifest | {"current": 1})
+    atomic_write(tmp_path / "reg" / "GENERATION", str(reg.generation() + 1).encode())
+    _until(lambda: Change("a", v1) in seen, stop)
+    stop.set()
+    t.join(timeout=5)
+    assert len(snapshots) == 2  # the starting one, and the diff that found the rollback
+
+
+def test_disk_change_log_keeps_its_newer_half_and_says_when_a_watcher_fell_behind(tmp_path, tiny_encoder, monkeypatch):
+    from patchserve.patches.store import disk
+
+    monkeypatch.setattr(disk, "CHANGE_LOG_MAX_BYTES", 400)
+    reg = DiskRegistry(tmp_path / "reg")
+    patch = make_patch(tiny_encoder, "t", seed=1)
+    log = tmp_path / "reg" / disk.CHANGE_LOG
+    n = iter(range(10_000))
+
+    def put() -> str:
+        name = f"t{next(n):04d}"
+        reg.put(make_patch_for(patch, name))
+        return name
+
+    gen, cursor = reg.change_cursor()
+    names = {put() for _ in range(5)}
+    assert reg.changed_tasks(gen, cursor)[2] == names
+    while log.stat().st_size <= 400 - 8:  # the next line rewrites the log: a new file, its newer half
+        put()
+    inode = log.stat().st_ino
+    gen, cursor = reg.change_cursor()
+    names = {put() for _ in range(3)}
+    assert log.stat().st_ino != inode and log.stat().st_size <= 400
+    assert reg.changed_tasks(gen, cursor)[2] == names  # read from the new file, still exact
+    assert log.read_bytes().split(b"\n")[0].split(b" ")[1].startswith(b"t")  # it starts at a whole line
+    gen, cursor = reg.change_cursor()
+    for _ in range(100):  # more than the log keeps
+        put()
+    new_gen, _, touched = reg.changed_tasks(gen, cursor)
+    assert new_gen == gen + 100 and touched is None  # the watcher diffs a snapshot instead
 
 
 # --- retention ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 Layout under the root::
 
     GENERATION                       counter, rewritten atomically on every change (what watchers poll)
+    CHANGES                          "<generation> <task>" a line per change, appended before GENERATION moves
+                                     (watchers read what changed since their last look, not every task);
+                                     rewritten with its newer half past CHANGE_LOG_MAX_BYTES
     locks/<task>.lock, locks/.global  flock files (outside task folders, so a delete cannot strand a waiter)
     pending/<task>                   a change of that task is under way (see below)
     tasks/<task>/manifest.json       {"current": n, "last": n, "versions": {"1": VersionInfo, ...},
@@ -12,6 +15,10 @@ Layout under the root::
 Every file is written to a temporary name, fsynced, renamed into place and the folder fsynced. A patch file is
 written before the manifest that names it, so a reader never sees a half-written patch and a crash mid-write leaves
 the previous version current.
+
+Watchers poll GENERATION and read CHANGES from where they stopped: a change costs a watcher O(changes), however
+many tasks there are. When the lines they read do not account for every step of the generation (the log was
+trimmed past them, lost in a crash, or an older patchserve wrote without it), they diff a whole snapshot instead.
 
 Watchers poll GENERATION, so a change must never become visible without the generation moving, even when its
 writer dies in between. Each change is bracketed by a marker, ``pending/<task>``, created before its first
@@ -48,6 +55,8 @@ from patchserve.patches.validation import validate_task_name
 
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
+CHANGE_LOG = "CHANGES"
+CHANGE_LOG_MAX_BYTES = 1 << 20  # about 40,000 changes; a watcher further behind diffs a snapshot
 
 
 def _fsync_dir(path: Path) -> None:
@@ -122,7 +131,7 @@ class DiskRegistry(Registry):
             try:
                 yield
             finally:  # also after an error: whatever was written is announced (a spurious bump costs a diff)
-                self._bump_generation()
+                self._bump_generation(task)
                 marker.unlink()
 
     def _recover(self) -> None:
@@ -131,7 +140,7 @@ class DiskRegistry(Registry):
         for marker in (self.root / "pending").iterdir():
             with self._lock(f"{marker.name}.lock", wait=False) as held:
                 if held and marker.exists():  # else: a live writer, or one that finished since the listing
-                    self._bump_generation()
+                    self._bump_generation(marker.name)
                     marker.unlink()
 
     def _clean_up(self) -> None:
@@ -175,9 +184,56 @@ class DiskRegistry(Registry):
     def _write_manifest(self, task: str, manifest: dict[str, Any]) -> None:
         atomic_write(self._task_dir(task) / MANIFEST, json.dumps(manifest, sort_keys=True, indent=1).encode())
 
-    def _bump_generation(self) -> None:
+    def _bump_generation(self, task: str) -> None:
         with self._lock(".global"):
-            atomic_write(self.root / "GENERATION", str(self.generation() + 1).encode())
+            gen = self.generation() + 1
+            log_path = self.root / CHANGE_LOG
+            # the log line first: a watcher that sees the generation finds the line (a crash in between leaves a
+            # line for a step that never came; the next change takes its number, and a watcher checks both tasks)
+            with open(log_path, "ab") as f:
+                f.write(f"{gen} {task}\n".encode())
+                size = f.tell()
+            if size > CHANGE_LOG_MAX_BYTES:  # keep the newer half (a new file: watchers see it by its inode)
+                kept = log_path.read_bytes()[size // 2 :]
+                atomic_write(log_path, kept[kept.index(b"\n") + 1 :])
+            atomic_write(self.root / "GENERATION", str(gen).encode())
+
+    def change_cursor(self) -> tuple[int, Any]:
+        """The generation and the change log's end (its inode and size), read together."""
+        with self._lock(".global"):
+            return self.generation(), self._log_end()
+
+    def _log_end(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.root / CHANGE_LOG)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size
+
+    def changed_tasks(self, since: int, cursor: Any) -> tuple[int, Any, set[str] | None]:
+        """The tasks the log names for the generation's steps after ``since``, read from ``cursor`` (the whole
+        file when it was rewritten since); None when those lines do not account for every step."""
+        with self._lock(".global"):
+            gen = self.generation()
+            try:
+                f = open(self.root / CHANGE_LOG, "rb")  # noqa: SIM115 - closed below, after the lock's reads
+            except FileNotFoundError:
+                return gen, None, None
+            with f:
+                st = os.fstat(f.fileno())
+                if cursor is not None and cursor[0] == st.st_ino and cursor[1] <= st.st_size:
+                    f.seek(cursor[1])
+                tail = f.read()
+                end = (st.st_ino, f.tell())
+        steps, touched = set(), set()
+        for line in tail.splitlines():
+            number, _, task = line.decode(errors="replace").partition(" ")
+            if number.isdigit() and since < int(number) <= gen and _is_task_name(task):  # else: not accounted for
+                steps.add(int(number))
+                touched.add(task)
+        if len(steps) != gen - since:
+            return gen, end, None
+        return gen, end, touched
 
     @staticmethod
     def _info(manifest: dict[str, Any], version: int) -> VersionInfo:
