@@ -220,14 +220,7 @@ async def _service(
     orphaned = None if engine_address is None else asyncio.ensure_future(_stop_when_orphaned())
     gc.collect()
     gc.freeze()
-    log.info(
-        "patchserve ready: %s (%s) on %s, registry %s, %d tasks",
-        info.name,
-        info.fingerprint[:19],
-        engine.device,
-        reg.url,
-        len(catalog.current),
-    )
+    log.info("patchserve ready: %s (%s) on %s, registry %s", info.name, info.fingerprint[:19], engine.device, reg.url)
     try:
         yield Service(settings, info, reg, engine, catalog, metrics, queue)
     finally:

@@ -2,9 +2,13 @@
 
 A request resolves its task to a (version, patch) when it arrives and keeps that patch until it is answered, so
 a new version, a rollback or a delete applies to requests that arrive after it -- in-flight ones finish on what
-they started with, and none fails. A watcher thread follows the registry's changes (from this replica or any
-other sharing the registry); a task this replica has not heard of yet is looked up directly, so a version
-registered elsewhere is served at once on first use.
+they started with, and none fails.
+
+Tasks are read as they are asked for, not at start-up: ``current`` holds the tasks this replica has served or heard
+change, so start-up and memory do not grow with the registry (100,000 tasks start as fast as 100). A watcher thread
+follows the registry's changes (from this replica or any other sharing the registry) by the names the registry's
+change log gives; where it cannot name them, only the tasks held are read again. A task this replica has not heard
+of yet is looked up directly, so a version registered elsewhere is served at once on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 from patchserve.patches.errors import PatchServeError
 from patchserve.patches.format import BaseSpec, Patch
-from patchserve.patches.store import Change, Registry, VersionInfo, diff_snapshots
+from patchserve.patches.store import Change, Registry, VersionInfo
 from patchserve.server.engine.patch_cache import PatchCache
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,6 @@ class Catalog:
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        self.current = self.registry.snapshot()
         self._thread = threading.Thread(target=self._watch, name="patchserve-watcher", daemon=True)
         self._thread.start()
 
@@ -69,9 +72,9 @@ class Catalog:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                changes = self.registry.watch(self._stop, timeout=self.watch_timeout)
-                # resync after (re)connecting: anything missed while disconnected is applied now
-                self._apply(diff_snapshots(dict(self.current), self.registry.snapshot()))
+                changes = self.registry.watch(self._stop, timeout=self.watch_timeout, known=self.current)
+                # resync after (re)connecting: what changed of the tasks held while disconnected is applied now
+                self._apply(self.registry.recheck(self.current))
                 backoff = 0.5
                 for batch in changes:
                     self._apply(batch)
@@ -115,8 +118,12 @@ class Catalog:
 
     def recent_patches(self) -> Iterator[Patch]:
         """The current patch of every task, most recently registered first, fetched one at a time (what a preload
-        fills the slots with). A patch that cannot be read or does not fit this encoder is logged and skipped."""
-        for info in sorted(self.current.values(), key=lambda i: (i.registered_at, i.task), reverse=True):
+        fills the slots with: it reads every task's record). A patch that cannot be read or does not fit this
+        encoder is logged and skipped."""
+        everything = self.registry.snapshot()
+        for task, info in everything.items():
+            self.current.setdefault(task, info)
+        for info in sorted(everything.values(), key=lambda i: (i.registered_at, i.task), reverse=True):
             try:
                 yield self.resolve(info.task, info.version)[1]
             except PatchServeError as exc:

@@ -14,11 +14,13 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, WrapValidator
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from patchserve.patches.api import EmbedRequest, EmbedResponse, Text
+from patchserve.patches.errors import InvalidTaskNameError, TaskNotFoundError
 from patchserve.server.deps import PredictAuth, ServiceDep
 from patchserve.server.inference import BASE_TASK, InferenceService, name_task, run_rows
 from patchserve.server.openapi import TaskName, errors
@@ -113,7 +115,7 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request, svc:
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise InputError("input is empty: send a text or a non-empty list of texts")
-    base = body.model in (BASE_MODEL, svc.encoder.name) and body.model not in svc.catalog.current
+    base = body.model in (BASE_MODEL, svc.encoder.name) and not await run_in_threadpool(_is_task, svc, body.model)
     result, tokens = await _embed(svc, request, None if base else body.model, texts, None, normalize=True)
     if body.dimensions is not None and body.dimensions != result.dimensions:
         raise InputError(f"this model's vectors have {result.dimensions} dimensions; leave dimensions out")
@@ -130,11 +132,22 @@ def _base64(vector: list[float]) -> str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
+def _is_task(svc: Any, name: str) -> bool:
+    """Whether a task is registered as ``name`` (it then wins over the base encoder of that name)."""
+    if name in svc.catalog.current:
+        return True
+    try:
+        svc.registry.info(name)
+    except (TaskNotFoundError, InvalidTaskNameError):
+        return False
+    return True
+
+
 @router.get("/v1/models", responses=errors(401, 403))
 async def openai_models(svc: ServiceDep, _: PredictAuth) -> dict[str, Any]:
     """OpenAI's model list: every task, and the base encoder."""
     now = int(time.time())
-    names = [BASE_MODEL, *sorted(svc.catalog.current)]
+    names = [BASE_MODEL, *await run_in_threadpool(svc.registry.tasks)]
     return {
         "object": "list",
         "data": [{"id": n, "object": "model", "created": now, "owned_by": "patchserve"} for n in names],

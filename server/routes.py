@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 from typing import Any
 from urllib.parse import urlencode
 
@@ -225,7 +226,8 @@ async def readyz(svc: ServiceDep) -> dict[str, str]:
 async def metrics(svc: ServiceDep) -> Response:
     """Prometheus metrics (of every process of the server)."""
     m = svc.metrics
-    m.tasks.set(len(svc.catalog.current))
+    with contextlib.suppress(PatchServeError):  # the registry is unreachable: the gauge keeps its last count
+        m.tasks.set(await run_in_threadpool(svc.registry.count))
     if svc.queue is not None:
         try:
             jobs = await run_in_threadpool(svc.queue.list, 500)

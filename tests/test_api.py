@@ -698,3 +698,32 @@ def test_keep_versions_prunes_what_post_tasks_registers(tmp_path, tiny_bert_dir,
         assert client.post("/tasks/sentiment/rollback", json={"version": 4}).status_code == 200
         assert client.post("/tasks/sentiment/rollback", json={"version": 2}).status_code == 404
         assert client.post("/tasks/sentiment/predict", json={"inputs": ["fine"]}).json()["version"] == 4
+
+
+def test_start_up_reads_no_task_and_the_catalog_holds_what_was_asked_or_changed(
+    tmp_path, tiny_bert_dir, tiny_encoder, monkeypatch
+):
+    from patchserve.patches.store import DiskRegistry
+
+    reg = DiskRegistry(tmp_path / "reg", poll_interval=0.02)
+    patch = make_patch(tiny_encoder, "t", seed=1)
+    for i in range(30):
+        reg.put(Patch(replace(patch.meta, task=f"t{i:02d}"), patch.biases, patch.head_weight, patch.head_bias))
+    reads = []
+    real = reg._read_manifest
+    monkeypatch.setattr(reg, "_read_manifest", lambda task: reads.append(task) or real(task))  # a spy: counts
+    app = create_app(settings_for(reg.url, tiny_bert_dir), registry=reg)
+    with TestClient(app) as client:
+        assert reads == []  # ready without reading any task's record
+        catalog = app.state.service.catalog
+        r = client.post("/tasks/t07/predict", json={"inputs": "good"})
+        assert r.status_code == 200 and r.json()["version"] == 1
+        assert set(reads) == {"t07"}
+        # another replica's new version of a task held here is served (the watcher reads the change log's names)
+        other = DiskRegistry(tmp_path / "reg")
+        v2 = other.put(Patch(replace(patch.meta, task="t07"), patch.biases, patch.head_weight * 2, patch.head_bias))
+        wait_until(lambda: client.post("/tasks/t07/predict", json={"inputs": "good"}).json()["version"] == 2, 10)
+        assert v2.version == 2
+        assert client.post("/tasks/t21/predict", json={"inputs": "good"}).json()["version"] == 1  # on first use
+        assert set(reads) <= {"t07", "t21"}, set(reads)
+        assert set(catalog.current) == {"t07", "t21"}

@@ -218,6 +218,10 @@ class Registry(ABC):
             if len(items) == limit:
                 return TaskPage(items, after)
 
+    def count(self) -> int:
+        """How many tasks are registered."""
+        return len(self.tasks())
+
     def _names_after(self, after: str | None, prefix: str, count: int) -> list[str]:
         """Up to ``count`` task names starting with ``prefix`` and sorting after ``after``, in order. A backend
         with an ordered index answers from it; this reads every name."""
@@ -291,14 +295,27 @@ class Registry(ABC):
             )
         return info, patch
 
-    def watch(self, stop: threading.Event, timeout: float = 1.0) -> Iterator[list[Change]]:
+    def watch(
+        self, stop: threading.Event, timeout: float = 1.0, known: dict[str, VersionInfo] | None = None
+    ) -> Iterator[list[Change]]:
         """Yield batches of changes made after this call, until ``stop`` is set.
 
-        The starting snapshot is taken here, not at the first ``next()``, so nothing between the call and the
-        iteration is missed. Backend errors propagate to the caller.
+        Without ``known``, the starting snapshot is taken here, not at the first ``next()``, so nothing between the
+        call and the iteration is missed. With ``known`` (the current versions of the tasks a caller holds, such as a
+        catalog that reads tasks as they are asked for), no task is read to start: every change the backend names
+        is reported, and where it cannot name them, only the known tasks are read again (``recheck``), not every
+        task. Backend errors propagate to the caller.
         """
         gen, cursor = self.change_cursor()
-        return self._changes_since(gen, cursor, self.snapshot(), stop, timeout)
+        if known is None:
+            return self._changes_since(gen, cursor, self.snapshot(), stop, timeout)
+        return self._changes_since(gen, cursor, known, stop, timeout, lazy=True)
+
+    def recheck(self, known: dict[str, VersionInfo]) -> list[Change]:
+        """The changes of the ``known`` tasks against the registry (each read again: O(known), not O(tasks))."""
+        names = sorted(known)
+        now = self._current_infos(names)
+        return [Change(t, now.get(t)) for t in names if now.get(t) != known.get(t)]
 
     def change_cursor(self) -> tuple[int, Any]:
         """The generation and a backend's position in its change log, read together (None: it keeps no log)."""
@@ -310,7 +327,13 @@ class Registry(ABC):
         return self.generation(), None, None
 
     def _changes_since(
-        self, gen: int, cursor: Any, last: dict[str, VersionInfo], stop: threading.Event, timeout: float
+        self,
+        gen: int,
+        cursor: Any,
+        last: dict[str, VersionInfo],
+        stop: threading.Event,
+        timeout: float,
+        lazy: bool = False,
     ) -> Iterator[list[Change]]:
         while not stop.is_set():
             new_gen = self.wait_for_change(gen, timeout)
@@ -318,7 +341,14 @@ class Registry(ABC):
                 continue
             # read before the reads below: a change during them moves the generation again
             gen, cursor, touched = self.changed_tasks(gen, cursor)
-            if touched is None:
+            if touched is None and lazy:
+                changes = self.recheck(last)
+                for change in changes:
+                    if change.current is None:
+                        last.pop(change.task, None)
+                    else:
+                        last[change.task] = change.current
+            elif touched is None:
                 snap = self.snapshot()
                 changes = diff_snapshots(last, snap)
                 last = snap

@@ -344,15 +344,20 @@ class DiskRegistry(Registry):
         )
 
     def _names_after(self, after: str | None, prefix: str, count: int) -> list[str]:
-        # the folder's names, listed again only when the generation moved (every change moves it); a folder that
-        # is not a task yet (no manifest) or any more is left out by the page's record reads
+        return page_names(self._folder_names(), after, prefix, count)
+
+    def count(self) -> int:
+        return len(self._folder_names())  # a first put under way may count a moment early
+
+    def _folder_names(self) -> list[str]:
+        """The task folders' names, sorted: listed again only when the generation moved (every change moves it). A
+        folder that is not a task yet (no manifest) or any more is left out by the reads of its record."""
         gen = self.generation()
         with self._names_lock:
             if self._names is None or self._names[0] != gen:
                 with os.scandir(self.root / "tasks") as entries:
                     self._names = (gen, sorted(e.name for e in entries if _is_task_name(e.name)))
-            names = self._names[1]
-        return page_names(names, after, prefix, count)
+            return self._names[1]
 
     def snapshot(self) -> dict[str, VersionInfo]:
         out: dict[str, VersionInfo] = {}

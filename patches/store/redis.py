@@ -212,6 +212,9 @@ class RedisRegistry(Registry):
         records = self._call(pipe.execute)
         return {n: VersionInfo.from_dict(json.loads(r)) for (n, _), r in zip(live, records, strict=True) if r}
 
+    def count(self) -> int:
+        return int(self._call(lambda: self.r.scard(self.keys.tasks)))
+
     def _names_after(self, after: str | None, prefix: str, count: int) -> list[str]:
         self._index_names()
         low = b"(" + after.encode() if after is not None and after >= prefix else b"[" + prefix.encode()

@@ -409,7 +409,6 @@ def _build(settings: ServerSettings) -> EngineServer:
         registry = open_registry(settings.registry)
         try:
             catalog = Catalog(registry, spec, cache)
-            catalog.current = registry.snapshot()
             loaded = engine.preload(catalog.recent_patches())
             log.info("engine: preloaded %d of %d tasks", loaded, len(catalog.current))
         finally:
