@@ -193,7 +193,7 @@ async def _service(
 ) -> AsyncIterator[Service]:
     """Everything a running app serves with -- the engine (its own, or the engine process at ``engine_address``),
     the registry and its catalog, the job queue, the metrics -- built at start-up and torn down at shutdown."""
-    metrics = Metrics()
+    metrics = Metrics(settings.metrics_task_labels)
     engine: LocalEngine | RemoteEngine
     if engine_address is None:
         info, engine = await _local_engine(settings, encoder, metrics)

@@ -23,19 +23,25 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+OTHER_TASKS = "_other"  # the task label of every request of a task without series of its own
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, task_labels: int = 0) -> None:
+        self.task_labels = task_labels  # tasks with series of their own: the first this process serves
+        self._labelled: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "patchserve_requests",
-            "Inference requests (predict, infer, embed) by task and HTTP status.",
+            "Inference requests (predict, infer, embed) by task and HTTP status (task '_other': every task without "
+            "series of its own, --metrics-task-labels).",
             ["task", "status"],
             registry=r,
         )
         self.latency = Histogram(
             "patchserve_request_latency_seconds",
-            "Inference latency by task (successful requests).",
+            "Inference latency by task (successful requests; task '_other' as for patchserve_requests).",
             ["task"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -86,6 +92,22 @@ class Metrics:
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         return registry
+
+    def task_label(self, task: str) -> str:
+        """``task`` while fewer than ``task_labels`` tasks have series of their own (or it has), else '_other':
+        the series in /metrics stay bounded however many tasks there are."""
+        if task in self._labelled or task.startswith("_"):  # '_unknown', '_base': not task names, a few labels
+            return task
+        if len(self._labelled) < self.task_labels:
+            self._labelled.add(task)
+            return task
+        return OTHER_TASKS
+
+    def observe_request(self, task: str, status: int, seconds: float) -> None:
+        label = self.task_label(task)
+        self.requests.labels(task=label, status=str(status)).inc()
+        if status == 200:
+            self.latency.labels(task=label).observe(seconds)
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_rows.observe(stats.rows)

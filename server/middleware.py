@@ -77,9 +77,7 @@ class RequestGuard:
             task = state.get("task")
             svc = getattr(scope["app"].state, "service", None)
             if task is not None and svc is not None:
-                svc.metrics.requests.labels(task=task, status=str(status)).inc()
-                if status == 200:
-                    svc.metrics.latency.labels(task=task).observe(time.perf_counter() - t0)
+                svc.metrics.observe_request(task, status, time.perf_counter() - t0)
 
 
 def _counted(receive: Receive, limit: int) -> Receive:

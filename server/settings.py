@@ -167,6 +167,13 @@ class ServerSettings(BaseSettings):
     )
     max_patch_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest patch file accepted.")
     patch_cache_mb: int = Field(512, ge=1, description="Host memory for parsed patches in front of the registry (LRU).")
+    metrics_task_labels: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="Tasks with series of their own in /metrics (requests, latency): the first N each process serves; "
+        'every other task\'s requests count under task="_other". 0: none, so /metrics does not grow with the tasks.',
+    )
     admin_token: SecretStr | None = Field(
         None, description="When set, registering, deleting and rolling back need 'Authorization: Bearer <token>'."
     )

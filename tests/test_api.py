@@ -373,6 +373,20 @@ def test_auth(make_client, tiny_encoder):
         assert client.get(path).status_code == 200, path
 
 
+def test_metrics_have_series_of_their_own_for_at_most_the_first_n_tasks(make_client, tiny_encoder):
+    client = make_client(metrics_task_labels=2)
+    for name in ("a", "b", "c", "d"):
+        upload(client, make_patch(tiny_encoder, name))
+    for name in ("b", "a", "c", "d", "a", "c"):
+        assert client.post(f"/tasks/{name}/predict", json={"inputs": "x"}).status_code == 200
+    client.post("/tasks/missing/predict", json={"inputs": "x"})
+    text = client.get("/metrics").text
+    counted = dict(re.findall(r'^patchserve_requests_total\{status="(?:\d+)",task="([^"]+)"\} ([0-9.]+)$', text, re.M))
+    assert counted == {"b": "1.0", "a": "2.0", "_other": "3.0", "_unknown": "1.0"}
+    tasks_in_latency = set(re.findall(r'^patchserve_request_latency_seconds_count\{task="([^"]+)"\}', text, re.M))
+    assert tasks_in_latency == {"a", "b", "_other"}
+
+
 def test_with_only_an_admin_token_predict_is_open_and_reads_need_it(make_client, tiny_encoder):
     client = make_client(admin_token="adm1n")
     assert upload(client, make_patch(tiny_encoder, "t"), {"Authorization": "Bearer adm1n"}).status_code == 201
@@ -390,7 +404,7 @@ def test_ops_routes_and_openapi(make_client, tiny_encoder):
     client.post("/tasks/t/predict", json={"inputs": ["good", "bad"]})
     client.post("/tasks/missing/predict", json={"inputs": "x"})
     text = client.get("/metrics").text
-    assert 'patchserve_requests_total{status="200",task="t"} 1.0' in text
+    assert 'patchserve_requests_total{status="200",task="_other"} 1.0' in text  # no series per task by default
     assert 'patchserve_requests_total{status="404",task="_unknown"} 1.0' in text
     for name in (
         "patchserve_batch_rows",

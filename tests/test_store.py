@@ -380,13 +380,19 @@ def redis_registry(redis_url):
     reg.close()
 
 
+def _count_snapshots(reg, monkeypatch) -> list[int]:
+    """A spy on ``reg.snapshot``: each call appends to the list, then reads."""
+    snapshots: list[int] = []
+    real = reg.snapshot
+    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())
+    return snapshots
+
+
 def test_watchers_read_only_the_tasks_the_change_log_names(registry, tiny_encoder, monkeypatch):
     reg = registry
     for i in range(20):
         reg.put(make_patch(tiny_encoder, f"t{i}", seed=i + 1))
-    snapshots = []
-    real = reg.snapshot
-    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())  # a spy: counts, then reads
+    snapshots = _count_snapshots(reg, monkeypatch)
     stop = threading.Event()
     seen, t = _watch_in_thread(reg, stop)
     v2 = reg.put(make_patch(tiny_encoder, "t3", seed=99))
@@ -411,9 +417,7 @@ def test_redis_watcher_diffs_a_snapshot_when_the_log_cannot_say(redis_registry, 
     reg = redis_registry
     v1 = reg.put(make_patch(tiny_encoder, "a", seed=1))
     reg.put(make_patch(tiny_encoder, "a", seed=2))
-    snapshots = []
-    real = reg.snapshot
-    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())
+    snapshots = _count_snapshots(reg, monkeypatch)
     stop = threading.Event()
     seen, t = _watch_in_thread(reg, stop)
     # a rollback written the way a version without the log writes it: the state and the generation, no log entry;
@@ -434,9 +438,7 @@ def test_disk_watcher_diffs_a_snapshot_when_the_log_cannot_say(tmp_path, tiny_en
     reg = DiskRegistry(tmp_path / "reg", poll_interval=0.02)
     v1 = reg.put(make_patch(tiny_encoder, "a", seed=1))
     reg.put(make_patch(tiny_encoder, "a", seed=2))
-    snapshots = []
-    real = reg.snapshot
-    monkeypatch.setattr(reg, "snapshot", lambda: snapshots.append(1) or real())
+    snapshots = _count_snapshots(reg, monkeypatch)
     stop = threading.Event()
     seen, t = _watch_in_thread(reg, stop)
     # a rollback written the way a version without the log writes it: the manifest and the generation, no line

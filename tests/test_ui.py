@@ -30,7 +30,8 @@ def server(redis_url, tiny_bert_dir, tiny_encoder, tmp_path_factory) -> Iterator
     tmp = tmp_path_factory.mktemp("ui")
     registry = f"{redis_url}?prefix=ui-{uuid.uuid4().hex[:6]}:"
     env = {"PATCHSERVE_REGISTRY": registry, "PATCHSERVE_MODEL": str(tiny_bert_dir), "PATCHSERVE_DEVICE": "cpu"}
-    with served(tmp, env, "--admin-token", ADMIN, "--slots", "4", "--workers", "2") as base:
+    served_args = ("--admin-token", ADMIN, "--slots", "4", "--workers", "2", "--metrics-task-labels", "1")
+    with served(tmp, env, *served_args) as base:
         for seed in (1, 2):
             patch = make_patch(tiny_encoder, "sentiment", seed=seed)
             assert httpx.post(f"{base}/tasks", files={"patch": ("p", patch.data)}, headers=AUTH).status_code == 201
@@ -119,10 +120,15 @@ def test_the_operator_page(server, browser, tmp_path):
     _wait(chrome, lambda c: "(sentiment v1)" in _text(c, "#answer"))
     assert _text(c := chrome, "#answer").count("->") == 2 and "a tedious mess" in _text(c, "#answer")
 
-    # per-task request rate from the server's own metrics
-    for _ in range(20):
-        httpx.post(f"{base}/tasks/pos/predict", json={"inputs": "the cat runs"}, headers=AUTH)
-    _wait(chrome, lambda c: float(_text(c, "tr[data-task='pos'] td.rate")) > 0, timeout=30)
+    # per-task request rate from the server's own metrics: 'sentiment' is served first (20 requests on new
+    # connections reach both front ends), so it has series of its own (--metrics-task-labels 1); 'pos' counts among
+    # the other tasks
+    for task in ("sentiment", "pos"):
+        for _ in range(20):
+            httpx.post(f"{base}/tasks/{task}/predict", json={"inputs": "the cat runs"}, headers=AUTH)
+    _wait(chrome, lambda c: float(_text(c, "tr[data-task='sentiment'] td.rate")) > 0, timeout=30)
+    _wait(chrome, lambda c: "requests/s together" in _text(c, "#tasks"), timeout=30)
+    assert _text(chrome, "tr[data-task='pos'] td.rate") == "\u2013"  # an en dash: no figures
 
     # jobs: the queued one is listed and can be cancelled from the page
     selector = f"tr[data-job='{job.id}']"
