@@ -170,6 +170,7 @@ def measure(name: str, url: str, n: int, model: Path, template: Patch, args: arg
         with httpx.Client(base_url=base, timeout=60) as http:  # again, with the series the traffic made
             metrics_after_ms, metrics_after_bytes = _median_ms(lambda: http.get("/metrics").content, 10)
     row = {
+        "kind": "scale",
         "backend": name,
         "tasks": n,
         "ready_s": round(ready_s, 2),

@@ -24,8 +24,9 @@ Watchers poll GENERATION, so a change must never become visible without the gene
 writer dies in between. Each change is bracketed by a marker, ``pending/<task>``, created before its first
 visible write and removed after the generation moved (all under the task's lock). A marker whose task lock is free
 belongs to a writer that died: whoever finds it (a watcher polling, or anyone opening the registry) moves the
-generation on its behalf and removes it. Opening a registry also removes what a crash can leave behind: temporary
-files, a patch file no manifest names, a task folder without a manifest.
+generation on its behalf, clears what the writer left in the task's folder (temporary files, a patch file no
+manifest names, a folder without a manifest) and removes the marker. Opening a registry does the same, and empties
+the trash of half-deleted tasks, without reading every task folder.
 """
 
 from __future__ import annotations
@@ -136,27 +137,26 @@ class DiskRegistry(Registry):
 
     def _recover(self) -> None:
         """Move the generation for every change whose writer died between its first visible write and its
-        generation bump (its marker is there, its task lock is free)."""
+        generation bump (its marker is there, its task lock is free), and clear what that writer left in its task's
+        folder: temporary files, a patch file no manifest names, a folder without one."""
         for marker in (self.root / "pending").iterdir():
             with self._lock(f"{marker.name}.lock", wait=False) as held:
                 if held and marker.exists():  # else: a live writer, or one that finished since the listing
+                    folder = self.root / "tasks" / marker.name
+                    if _is_task_name(marker.name) and folder.is_dir():
+                        self._clean_task_folder(folder)
                     self._bump_generation(marker.name)
                     marker.unlink()
 
     def _clean_up(self) -> None:
-        """Remove what a crash leaves behind, folder by folder under that folder's lock (a live writer in another
-        process keeps its files): temporary files, patch files no manifest names, task folders without one."""
+        """Remove what a crash leaves outside task folders: half-deleted tasks, temporary files of the registry's
+        own files. (What a writer that died leaves in its task's folder is cleared by ``_recover``, which its marker
+        leads to: opening a registry reads no task folder, however many there are.)"""
         for leftover in (self.root / "trash").iterdir():
             shutil.rmtree(leftover, ignore_errors=True)
         with self._lock(".global"):
             for tmp in self.root.glob(f".*{TMP_SUFFIX}"):
                 tmp.unlink(missing_ok=True)
-        for folder in (self.root / "tasks").iterdir():
-            if not _is_task_name(folder.name):
-                continue
-            with self._lock(f"{folder.name}.lock", wait=False) as held:
-                if held:
-                    self._clean_task_folder(folder)
 
     def _clean_task_folder(self, folder: Path) -> None:
         if not (folder / MANIFEST).is_file():  # a first put that died before its manifest: nothing was visible
