@@ -12,8 +12,9 @@ work is small and what grows with the tasks shows:
 * /metrics: median of 10, and its size, at start and again after the traffic (with the series it made);
 * traffic: 16 clients, one-row predicts, for a task drawn by zipf(1.1) over every task against one task only;
   phases alternate (one, zipf, one, zipf, ...), requests a second are medians; failed counts every non-200;
-* visible: a new version of a task registered through the registry API, then predicts on new connections (spread
-  over both front ends by the kernel) until 8 answers in a row carry it: the time the first of those 8 was sent
+* visible: a task asked for 8 times (so both front ends hold it), a new version of it registered through the
+  registry API, then predicts on new connections (spread over both front ends by the kernel) until 8 answers in a
+  row carry it: the time the first of those 8 was sent
   (an answer with the old version before it restarts the run); 5 times, the median and the largest;
 * RSS: the server's processes together (supervisor, engine, front ends) after the traffic.
 """
@@ -115,7 +116,11 @@ async def _traffic(base: str, tasks: list[str], weights: list[float] | None, sec
 
 
 def _visible(base: str, url: str, template: Patch, task: str, seed: int) -> float:
-    """Register a new version of ``task`` and wait until 8 answers in a row on new connections carry it; ms."""
+    """Register a new version of ``task`` and wait until 8 answers in a row on new connections carry it; ms. The
+    task is asked for first, so that every front end holds it: the new version must come through its watcher (a
+    front end that never served a task reads it from the registry on first use, and sees any version at once)."""
+    for _ in range(8):
+        httpx.post(f"{base}/tasks/{task}/predict", json={"inputs": TEXT}, timeout=30).raise_for_status()
     registry = open_registry(url)
     try:
         patch = random_patch_like(template, task, seed)

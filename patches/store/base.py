@@ -2,7 +2,8 @@
 
 A registry maps task names to numbered versions of patches; one version per task is *current* (what the server
 serves). Versions are immutable. Every change bumps a *generation* counter, which makes watching cheap and lossless:
-a watcher waits for the generation to move, then diffs a snapshot of the current versions -- so a missed
+a watcher waits for the generation to move, then reads the tasks the backend's change log names for those steps
+(or, where the log cannot account for every step, diffs a snapshot of the current versions) -- so a missed
 notification can only delay a change, never lose it.
 """
 
