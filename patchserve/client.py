@@ -31,6 +31,21 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 from tqdm import tqdm
 
+from patchserve.client_errors import (  # noqa: F401 - the errors are part of this module's interface
+    Conflict,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    NotSupported,
+    Overloaded,
+    PatchserveError,
+    ServerError,
+    Timeout,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+    raise_for_status,
+)
 from patchserve.patches.api import (
     EmbedResponse,
     JobPublic,
@@ -49,91 +64,6 @@ Inputs = str | Sequence[str] | Sequence[tuple[str, str]] | Sequence[PairInput] |
 DataFile = str | os.PathLike[str] | tuple[str, bytes]  # a path, or (file name, contents)
 Upload = str | os.PathLike[str] | bytes | Any  # a patch (path, bytes, Patch) or a PEFT adapter (folder, archive)
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's save_pretrained names; what the server reads
-
-
-# --- errors --------------------------------------------------------------------------------------------------------
-class PatchserveError(Exception):
-    """The server answered with an error. ``status`` is the HTTP status, ``detail`` the server's message."""
-
-    def __init__(self, status: int, detail: str, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(f"{status}: {detail}")
-        self.status, self.detail, self.headers = status, detail, dict(headers or {})
-
-
-class InvalidRequest(PatchserveError):
-    """400/422: the request (inputs, a patch, a job config or data) is invalid; the message names the problem."""
-
-
-class Unauthorized(PatchserveError):
-    """401: the route needs a bearer token (pass ``token=``)."""
-
-
-class Forbidden(PatchserveError):
-    """403: the token is not one this route accepts."""
-
-
-class NotFound(PatchserveError):
-    """404: no such task, version or job."""
-
-
-class Conflict(PatchserveError):
-    """409: a stored patch does not fit the server's encoder, or a job to cancel has already ended."""
-
-
-class TooLarge(PatchserveError):
-    """413: the body or patch is over the server's limit."""
-
-
-class NotSupported(PatchserveError):
-    """501: the server does not offer this (e.g. training jobs without a job queue)."""
-
-
-class Overloaded(PatchserveError):
-    """503 with Retry-After: the server's queue is full; retry after ``retry_after`` seconds."""
-
-    @property
-    def retry_after(self) -> float:
-        return float(self.headers.get("retry-after", 1))
-
-
-class Unavailable(PatchserveError):
-    """503: the registry or job queue cannot be reached, or the server is starting."""
-
-
-class Timeout(PatchserveError):
-    """504: the request outlived the server's request timeout."""
-
-
-class ServerError(PatchserveError):
-    """Any other 5xx."""
-
-
-_BY_STATUS: dict[int, type[PatchserveError]] = {
-    400: InvalidRequest,
-    401: Unauthorized,
-    403: Forbidden,
-    404: NotFound,
-    409: Conflict,
-    413: TooLarge,
-    422: InvalidRequest,
-    501: NotSupported,
-    504: Timeout,
-}
-
-
-def _raise_for(response: httpx.Response) -> None:
-    if response.is_success:
-        return
-    try:
-        detail = str(response.json().get("detail", response.text))
-    except ValueError:
-        detail = response.text or response.reason_phrase
-    status = response.status_code
-    if status == 503:
-        kind: type[PatchserveError] = Overloaded if "retry-after" in response.headers else Unavailable
-    else:
-        kind = _BY_STATUS.get(status, ServerError if status >= 500 else PatchserveError)
-    raise kind(status, detail, response.headers)
 
 
 # --- what each call sends and how its answer is read -----------------------------------------------------------------
@@ -338,7 +268,7 @@ class Client:
         response = self.http.request(
             call.method, call.path, json=call.json, files=call.files, data=call.data, params=call.params
         )
-        _raise_for(response)
+        raise_for_status(response)
         return call.parse(response if call.whole else response.json())
 
     def healthy(self) -> bool:
@@ -460,7 +390,7 @@ class AsyncClient:
         response = await self.http.request(
             call.method, call.path, json=call.json, files=call.files, data=call.data, params=call.params
         )
-        _raise_for(response)
+        raise_for_status(response)
         return call.parse(response if call.whole else response.json())
 
     async def healthy(self) -> bool:

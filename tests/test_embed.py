@@ -94,7 +94,7 @@ def test_embed_routes(server, tiny_encoder):
     r = httpx.post(f"{server}/tasks/sentiment/embed", json={"inputs": "x", "normalise": True}, headers=AUTH)
     assert r.status_code == 422 and "normalise" in r.json()["detail"]
     metrics = httpx.get(f"{server}/metrics").text
-    assert 'patchserve_requests_total{status="200",task="sentiment"}' in metrics
+    assert 'patchserve_requests_total{status="200",task="_other"}' in metrics  # no series per task by default
     assert 'patchserve_requests_total{status="200",task="_base"}' in metrics
 
 

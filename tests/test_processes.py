@@ -134,7 +134,7 @@ def _close(got, want) -> bool:
 
 
 def test_hot_swap_reaches_every_front_end_and_metrics_add_up(tmp_path, tiny_bert_dir, tiny_encoder, registry_url):
-    with multi(tmp_path, tiny_bert_dir, registry_url) as server:
+    with multi(tmp_path, tiny_bert_dir, registry_url, "--metrics-task-labels", "4") as server:
         base = server.base
         first = _predict(base, "sent", "the good movie").json()
         v2 = make_patch(tiny_encoder, "sent", seed=7)
