@@ -273,7 +273,7 @@ class Patch:
     @cached_property
     def patch_id(self) -> str:
         """Content hash: sha256 of the canonical bytes. Caches and slots are keyed by it."""
-        return "sha256:" + hashlib.sha256(self.data).hexdigest()
+        return content_id(self.data)
 
     @property
     def n_params(self) -> int:
@@ -294,8 +294,12 @@ class Patch:
 
     # --- (de)serialisation -------------------------------------------------------------------------------
     @classmethod
-    def from_bytes(cls, data: bytes, *, max_bytes: int = DEFAULT_MAX_PATCH_BYTES) -> Patch:
-        """Parse and strictly validate patch bytes. Never unpickles; raises a specific :class:`PatchError`."""
+    def from_bytes(cls, data: bytes, *, max_bytes: int = DEFAULT_MAX_PATCH_BYTES, patch_id: str | None = None) -> Patch:
+        """Parse and strictly validate patch bytes. Never unpickles; raises a specific :class:`PatchError`.
+
+        ``patch_id``: the bytes' ``content_id``, which the caller has checked against a recorded one (a registry's
+        record, the id a front end names): they are a patch's canonical bytes as ``data`` wrote them, so they are
+        kept as its ``data`` instead of being written again (a patch read to be served is parsed, not re-encoded)."""
         if len(data) > max_bytes:
             raise PatchTooLargeError(
                 f"patch is {len(data)} bytes, over the {max_bytes}-byte limit; a BitFit patch is normally well "
@@ -327,7 +331,7 @@ class Patch:
         def under(prefix: str) -> dict[str, torch.Tensor]:
             return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
-        return cls(
+        patch = cls(
             meta=meta,
             biases=under(BIAS_PREFIX),
             head_weight=tensors[HEAD_WEIGHT],
@@ -335,6 +339,9 @@ class Patch:
             scales=under(SCALE_PREFIX),
             lora=under(LORA_PREFIX),
         )
+        if patch_id is not None:  # the cached properties, filled with what the caller checked
+            patch.__dict__.update(data=data, patch_id=patch_id)
+        return patch
 
     @classmethod
     def read(cls, path: str | Path, *, max_bytes: int = DEFAULT_MAX_PATCH_BYTES) -> Patch:
@@ -366,16 +373,20 @@ class Patch:
                 f"a {self.meta.patch_type!r} patch holds (IA)^3 scales (module names), not parameters such as "
                 f"{misplaced[:3]}; re-export it"
             )
-        for key, t in self._keyed().items():
+        keyed = self._keyed()
+        for key, t in keyed.items():
             if t.dtype != torch.float32:
                 raise PatchShapeError(f"tensor {key!r} has dtype {t.dtype}; patches store float32")
             if key.startswith((BIAS_PREFIX, SCALE_PREFIX)) and t.dim() != 1:
                 what = "bias" if key.startswith(BIAS_PREFIX) else "scale"
                 raise PatchShapeError(f"{what} {key!r} has shape {tuple(t.shape)}; {what}s are 1-D")
-            if not bool(torch.isfinite(t).all()):
-                raise PatchValueError(
-                    f"tensor {key!r} contains NaN or Inf; the training diverged -- lower the learning rate and retrain"
-                )
+        # one check over every value (a patch is a few dozen small tensors: one call each cost more than the
+        # values); the tensor to name is looked for only when it fails
+        if not bool(torch.isfinite(torch.cat([t.detach().reshape(-1).cpu() for t in keyed.values()])).all()):
+            key = next(k for k, t in keyed.items() if not bool(torch.isfinite(t).all()))
+            raise PatchValueError(
+                f"tensor {key!r} contains NaN or Inf; the training diverged -- lower the learning rate and retrain"
+            )
         n_out = self.meta.n_outputs
         if self.head_weight.dim() != 2 or self.head_weight.shape[0] != n_out:
             raise PatchShapeError(
@@ -456,6 +467,11 @@ def _check_fit(
             raise PatchShapeError(
                 f"{what} {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(shapes[name])}"
             )
+
+
+def content_id(data: bytes) -> str:
+    """The id of a patch's canonical bytes (``Patch.patch_id``): ``sha256:`` and their hex digest."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def _read_header(data: bytes) -> dict[str, Any]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import unicodedata
 from typing import Any
 
 from patchserve.patches.errors import InvalidTaskNameError
 
 TASK_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: "$" would allow a final "\n"
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # Unicode's categories Cc (controls), Cs (surrogates)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -26,10 +27,8 @@ def unprintable(text: str) -> str | None:
     Names (tasks, labels, uploaded files) become file names, Redis keys, log lines and JSON; none of them may
     carry a newline, a NUL or half of a UTF-16 pair.
     """
-    for ch in text:
-        if unicodedata.category(ch) in ("Cc", "Cs"):
-            return f"U+{ord(ch):04X}"
-    return None
+    found = _UNPRINTABLE.search(text)
+    return None if found is None else f"U+{ord(found.group()):04X}"
 
 
 def validate_task_name(name: str) -> str:
@@ -80,24 +79,51 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
+class _OutOfRange(ValueError):
+    """A JSON number too large for a float (1e400)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _OutOfRange(text)
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_hold_surrogates(text: str | bytes) -> bool:
+    """False when no string parsed from ``text`` can hold a lone surrogate: ASCII (in no wider encoding: no NUL)
+    with no escape of one (most JSON; a false True only costs the walk over its strings)."""
+    if isinstance(text, bytes):
+        return not text.isascii() or b"\x00" in text or _SURROGATE_ESCAPE_BYTES.search(text) is not None
+    return not text.isascii() or _SURROGATE_ESCAPE.search(text) is not None
+
+
 def strict_json(text: str | bytes, what: str, error: type[Exception]) -> Any:
     """``json.loads`` for JSON a client sent, raising ``error`` (naming ``what``) for anything that could break
     later: invalid JSON, NaN/Infinity, numbers too large for a float, nesting deeper than ``MAX_JSON_DEPTH``,
     and strings with lone surrogates (which cannot be written back as UTF-8)."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise error(f"{what}: nested too deeply") from None
+    except _OutOfRange:
+        raise error(f"{what}: a number is out of range (NaN or Infinity)") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, NaN, a 5,000-digit integer...
         raise error(f"{what}: not valid JSON ({exc})") from None
-    problem = _json_problem(value, MAX_JSON_DEPTH)
+    problem = _json_problem(value, MAX_JSON_DEPTH, strings=_may_hold_surrogates(text))
     if problem is not None:
         raise error(f"{what}: {problem}")
     return value
 
 
-def _json_problem(value: Any, depth: int) -> str | None:
-    """What makes a parsed JSON value unusable, or None (iterative: a deep value cannot exhaust the stack)."""
+def _json_problem(value: Any, depth: int, strings: bool = True) -> str | None:
+    """What makes a parsed JSON value unusable, or None (iterative: a deep value cannot exhaust the stack): nesting
+    deeper than ``depth``, a string with a lone surrogate (looked for only with ``strings``). Its numbers are
+    finite: ``strict_json`` parses them so."""
     stack = [(value, depth)]
     while stack:
         item, left = stack.pop()
@@ -105,9 +131,10 @@ def _json_problem(value: Any, depth: int) -> str | None:
             if left <= 0:
                 return f"nested deeper than {MAX_JSON_DEPTH} levels"
             children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-            stack.extend((child, left - 1) for child in children)
-        elif isinstance(item, float) and not math.isfinite(item):
-            return "a number is out of range (NaN or Infinity)"
-        elif isinstance(item, str) and any("\ud800" <= ch <= "\udfff" for ch in item):
+            if strings:
+                stack.extend((child, left - 1) for child in children)
+            else:  # only what can nest
+                stack.extend((child, left - 1) for child in children if isinstance(child, dict | list))
+        elif strings and isinstance(item, str) and _SURROGATE.search(item):
             return f"the string {shown(item)} contains a lone surrogate (not valid Unicode)"
     return None

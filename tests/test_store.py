@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,6 +22,7 @@ from patchserve.patches.errors import (
     TaskNotFoundError,
     VersionNotFoundError,
 )
+from patchserve.patches.format import Patch, content_id
 from patchserve.patches.store import Change, DiskRegistry, open_registry
 from patchserve.patches.store.base import page_names
 from patchserve.patches.store.redis import RedisRegistry
@@ -334,6 +336,28 @@ def test_kill_9_during_registrations_loses_no_acknowledged_version(tmp_path, pat
     for v in stored:
         assert reg.get("sentiment", v)[1].patch_id == patches_abc[0].patch_id
     assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")] and not list((root / "pending").iterdir())
+
+
+def _encoded_otherwise(data: bytes) -> bytes:
+    """``data`` (a patch's canonical bytes) as another writer could have encoded it: the same tensors and
+    metadata, the safetensors header's keys in the opposite order."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    text = json.dumps(dict(reversed(header.items()))).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+def test_a_patch_is_served_as_stored_under_its_recorded_id(registry, patches_abc):
+    """What a registry holds is read as it is: bytes another writer encoded otherwise (an older safetensors, say)
+    keep the id they were recorded under, and are neither refused as damaged nor encoded again."""
+    other = _encoded_otherwise(patches_abc[0].data)
+    assert other != patches_abc[0].data and Patch.from_bytes(other).patch_id == patches_abc[0].patch_id
+    info = registry.put(Patch.from_bytes(other, patch_id=content_id(other)))
+    assert info.patch_id == content_id(other) != patches_abc[0].patch_id
+    got_info, got = registry.get(info.task)
+    assert got_info == info and got.patch_id == info.patch_id and got.data == other
+    assert torch.equal(got.head_weight, patches_abc[0].head_weight)
 
 
 def test_disk_detects_a_damaged_patch_file(tmp_path, patches_abc):

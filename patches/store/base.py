@@ -27,7 +27,7 @@ from patchserve.patches.errors import (
     TaskNotFoundError,
     VersionNotFoundError,
 )
-from patchserve.patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
+from patchserve.patches.format import DEFAULT_MAX_PATCH_BYTES, Patch, content_id
 
 log = logging.getLogger(__name__)
 
@@ -285,15 +285,16 @@ class Registry(ABC):
         """The current (or given) version, parsed and checked against its recorded content hash. A stored patch this
         build cannot use (a retired patch type, say) is a PatchError of the same kind that names the version."""
         info, data = self.get_bytes(task, version)
-        try:
-            patch = Patch.from_bytes(data, max_bytes=max(self.max_patch_bytes, len(data)))
-        except PatchError as exc:
-            raise type(exc)(f"{task!r} v{info.version} ({info.patch_id}) in {self.url}: {exc}") from exc
-        if patch.patch_id != info.patch_id:
+        read = content_id(data)
+        if read != info.patch_id:
             raise RegistryError(
                 f"stored patch {task!r} v{info.version} does not match its recorded id {info.patch_id} "
-                f"(read {patch.patch_id}): the registry is damaged; re-register the patch"
+                f"(read {read}): the registry is damaged; re-register the patch"
             )
+        try:
+            patch = Patch.from_bytes(data, max_bytes=max(self.max_patch_bytes, len(data)), patch_id=read)
+        except PatchError as exc:
+            raise type(exc)(f"{task!r} v{info.version} ({info.patch_id}) in {self.url}: {exc}") from exc
         return info, patch
 
     def watch(

@@ -37,7 +37,7 @@ import zmq
 
 from patchserve.patches.encoder import load_encoder, resolve_device
 from patchserve.patches.errors import PatchError, PatchServeError
-from patchserve.patches.format import BaseSpec, Patch
+from patchserve.patches.format import BaseSpec, Patch, content_id
 from patchserve.patches.store import open_registry
 from patchserve.server.catalog import Catalog
 from patchserve.server.engine.batcher import Job
@@ -366,9 +366,10 @@ class EngineServer:
         self._parsing.pop(pid, None)
 
     def _parse(self, pid: str, data: bytes) -> Patch:
-        patch = Patch.from_bytes(data, max_bytes=self.max_patch_bytes)
-        if patch.patch_id != pid:
-            raise PatchError(f"the bytes sent for patch {pid} hash to {patch.patch_id}")
+        read = content_id(data)
+        if read != pid:
+            raise PatchError(f"the bytes sent for patch {pid} hash to {read}")
+        patch = Patch.from_bytes(data, max_bytes=self.max_patch_bytes, patch_id=pid)
         patch.check_compatible(self.spec)
         self.cache.put(patch)
         return patch
