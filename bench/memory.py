@@ -105,7 +105,7 @@ def capacity(folder: Path, n: int, work: Path, samples: int) -> dict[str, Any]:
         del encoder
         port = free_port()
         serve = ["serve", "--port", str(port), "--model", str(folder), "--device", "cpu", "--dtype", "bfloat16"]
-        serve += ["--slots", str(n), "--preload", "--registry", url, "--patch-cache-mb", "64"]
+        serve += ["--slots", str(n), "--preload", "--registry", url, "--host-cache-mb", "64"]
         t0 = time.perf_counter()
         with patchserve_process(serve, {}, work / f"capacity-{n}.log") as server:
             base = f"http://127.0.0.1:{port}"

@@ -203,7 +203,8 @@ async def _service(
     if settings.keep_versions is not None:  # retention after each registration through this server
         reg.keep_versions = settings.keep_versions
     reg.max_patch_bytes = settings.max_patch_bytes
-    cache = PatchCache(settings.patch_cache_mb * 1024 * 1024)
+    cache = PatchCache(settings.host_cache_mb * 1024 * 1024)
+    metrics.add_host_cache(cache, "front_end")
     catalog = Catalog(reg, info.spec, cache, on_fetch=metrics.patch_load.labels(source="registry").observe)
     await asyncio.to_thread(catalog.start)
     if isinstance(engine, LocalEngine):

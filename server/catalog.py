@@ -108,6 +108,7 @@ class Catalog:
             self.current.setdefault(task, info)
         patch = self.cache.get(info.patch_id)
         if patch is None:
+            self.cache.missed()
             t0 = time.perf_counter()
             _, patch = self.registry.get(task, info.version)
             patch.check_compatible(self.spec)

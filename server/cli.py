@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from patchserve.server.settings import ServerSettings
+from patchserve.server.settings import RENAMED, ServerSettings
 
 
 def _option_type(annotation: Any) -> Any:
@@ -32,6 +32,9 @@ def add_settings_options(parser: argparse.ArgumentParser, settings_cls: type[Ser
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text, metavar=name.upper())
+    for old, new in RENAMED.items():  # a former flag still works, under its new name (--help shows only that)
+        kind = _option_type(settings_cls.model_fields[new].annotation)
+        parser.add_argument("--" + old.replace("_", "-"), dest=new, type=kind, default=None, help=argparse.SUPPRESS)
 
 
 def settings_from_args(args: argparse.Namespace, settings_cls: type[ServerSettings]) -> ServerSettings:

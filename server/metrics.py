@@ -9,14 +9,17 @@ saw.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from patchserve.patches.api import JOB_STATUSES
 from patchserve.server.engine.batcher import BatchStats
+from patchserve.server.engine.patch_cache import CacheStats, PatchCache
 from patchserve.server.engine.slots import SlotStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -61,6 +64,20 @@ class Metrics:
         self.slot_events = Counter(
             "patchserve_slot_events", "Device slot hits, misses and evictions.", ["event"], registry=r
         )
+        self.host_cache_events = Counter(
+            "patchserve_host_cache_events",
+            "The host tier's hits (a patch found in host memory), misses (read from the registry by a front end, "
+            "parsed from the bytes a front end sent by the engine) and evictions, by process ('front_end', 'engine').",
+            ["process", "event"],
+            registry=r,
+        )
+        self.host_cache_bytes = Gauge(
+            "patchserve_host_cache_bytes",
+            "Bytes of patches held in host memory, by process (summed over the front ends).",
+            ["process"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.patch_load = Histogram(
             "patchserve_patch_load_seconds",
             "Time to load a patch into a device slot, or from the registry ('source').",
@@ -82,6 +99,7 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
         self._slots_seen = SlotStats()
+        self._host_caches: list[tuple[str, PatchCache, CacheStats]] = []  # (process, cache, its totals last folded)
         self._counted: tuple[float, dict[str, float]] | None = None  # (when, requests per task) at the last rate
         self._rates: dict[str, float] = {}
 
@@ -108,6 +126,7 @@ class Metrics:
         self.requests.labels(task=label, status=str(status)).inc()
         if status == 200:
             self.latency.labels(task=label).observe(seconds)
+        self.sync_host_caches()
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_rows.observe(stats.rows)
@@ -137,8 +156,30 @@ class Metrics:
 
     def sync_slots(self, stats: SlotStats) -> None:
         """Fold the slot manager's running totals into the counters."""
-        for field, event in (("hits", "hit"), ("misses", "miss"), ("evictions", "eviction")):
-            delta = getattr(stats, field) - getattr(self._slots_seen, field)
-            if delta > 0:
-                self.slot_events.labels(event=event).inc(delta)
-                setattr(self._slots_seen, field, getattr(stats, field))
+        _fold(stats, self._slots_seen, lambda event: self.slot_events.labels(event=event))
+
+    def add_host_cache(self, cache: PatchCache, process: str) -> None:
+        """Count ``cache``'s events under ``process`` from now on (``sync_host_caches`` folds them in)."""
+        self._host_caches.append((process, cache, CacheStats(**vars(cache.stats))))
+        self.host_cache_bytes.labels(process=process).set(cache.bytes)
+
+    def sync_host_caches(self) -> None:
+        """Fold the host caches' running totals into the counters (cheap when nothing changed: a few compares)."""
+        for process, cache, seen in self._host_caches:
+            if _fold(cache.stats, seen, functools.partial(self._host_cache_counter, process)):
+                self.host_cache_bytes.labels(process=process).set(cache.bytes)
+
+    def _host_cache_counter(self, process: str, event: str) -> Counter:
+        return self.host_cache_events.labels(process=process, event=event)
+
+
+def _fold(totals: SlotStats | CacheStats, seen: SlotStats | CacheStats, counter: Callable[[str], Counter]) -> bool:
+    """Add what ``totals`` (hits, misses, evictions) grew by since ``seen`` to ``counter(event)``; whether they grew."""
+    grew = False
+    for field, event in (("hits", "hit"), ("misses", "miss"), ("evictions", "eviction")):
+        delta = getattr(totals, field) - getattr(seen, field)
+        if delta > 0:
+            counter(event).inc(delta)
+            setattr(seen, field, getattr(totals, field))
+            grew = True
+    return grew

@@ -46,6 +46,28 @@ def available_cpus() -> int:
     return cpus
 
 
+def available_memory() -> int:
+    """Bytes of host memory this process could still take: the kernel's MemAvailable, capped by what a cgroup v2
+    memory limit leaves (a container's ``--memory``, a Kubernetes memory limit)."""
+    available = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if not available:  # not Linux: the physical memory's free pages
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
 def default_workers(gpu: bool, cpus: int | None = None) -> int:
     """How many front ends ``--workers`` means when unset (docs/architecture.md says why, with the measurements).
 
@@ -55,6 +77,9 @@ def default_workers(gpu: bool, cpus: int | None = None) -> int:
     if not gpu:
         return 1
     return max(1, min(8, cpus or available_cpus()))
+
+
+RENAMED = {"patch_cache_mb": "host_cache_mb"}  # former setting name -> its name now (env var and flag)
 
 
 class ServerSettings(BaseSettings):
@@ -114,8 +139,9 @@ class ServerSettings(BaseSettings):
     slots: int | None = Field(
         None,
         ge=1,
-        description="Tasks resident on the device at once; more are swapped in LRU. Default: 256 on CPU, "
-        "sized from free memory on GPU.",
+        description="Tasks resident on the device at once; more are swapped in LRU (from the host tier, "
+        "--host-cache-mb). Default: as many as 1% of the available host memory holds on the CPU, 5% of the free "
+        "device memory on a GPU (256..4096 and 64..4096).",
     )
     preload: bool = Field(
         False,
@@ -166,7 +192,13 @@ class ServerSettings(BaseSettings):
         "other (probes included).",
     )
     max_patch_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest patch file accepted.")
-    patch_cache_mb: int = Field(512, ge=1, description="Host memory for parsed patches in front of the registry (LRU).")
+    host_cache_mb: int = Field(
+        512,
+        ge=1,
+        description="The host tier between the registry and the device slots: memory for recently used patches (LRU "
+        "by patch id) in each front end and in the engine process, so that a task that lost its slot comes back "
+        "with a copy, not a registry read and a parse. (Formerly --patch-cache-mb, still accepted.)",
+    )
     metrics_task_labels: int = Field(
         0,
         ge=0,
@@ -251,6 +283,18 @@ class ServerSettings(BaseSettings):
     @property
     def job_limits(self) -> JobLimits:
         return JobLimits(max_updates=self.max_job_updates)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data: typing.Any) -> typing.Any:
+        """Settings renamed since a release, read under their former env var too (the new name wins)."""
+        if isinstance(data, dict):
+            for old, new in RENAMED.items():
+                former = os.environ.get(f"PATCHSERVE_{old.upper()}")
+                if former is not None and new not in data:
+                    log.warning("PATCHSERVE_%s is now PATCHSERVE_%s; please rename it", old.upper(), new.upper())
+                    data = {**data, new: former}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:

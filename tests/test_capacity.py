@@ -67,7 +67,7 @@ def test_server_holds_and_serves_10000_bert_base_tasks_in_half_precision(bert_ba
                 kept[i] = patch
         registry.close()
         settings = ServerSettings(
-            registry=url, device="cpu", dtype="bfloat16", slots=N_TASKS, preload=True, patch_cache_mb=64
+            registry=url, device="cpu", dtype="bfloat16", slots=N_TASKS, preload=True, host_cache_mb=64
         )
         with TestClient(create_app(settings, encoder=encoder)) as client:
             runner = client.app.state.service.engine.runner

@@ -109,3 +109,22 @@ def test_every_option_explains_itself_and_names_its_default(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.startswith("patchserve 0.1")
+
+
+def test_a_renamed_serve_setting_still_works_under_its_former_name(monkeypatch):
+    """--patch-cache-mb became --host-cache-mb: the former flag and env var still set it, --help shows only the new
+    name, and the new env var wins over the former one."""
+    import argparse
+
+    from patchserve.server.cli import add_settings_options, settings_from_args
+    from patchserve.server.settings import ServerSettings
+
+    parser = argparse.ArgumentParser()
+    add_settings_options(parser, ServerSettings)
+    assert settings_from_args(parser.parse_args(["--patch-cache-mb", "64"]), ServerSettings).host_cache_mb == 64
+    assert "--host-cache-mb" in parser.format_help() and "--patch-cache-mb" not in parser.format_help()
+    assert ServerSettings().host_cache_mb == 512
+    monkeypatch.setenv("PATCHSERVE_PATCH_CACHE_MB", "32")
+    assert ServerSettings().host_cache_mb == 32
+    monkeypatch.setenv("PATCHSERVE_HOST_CACHE_MB", "16")
+    assert ServerSettings().host_cache_mb == 16

@@ -218,6 +218,9 @@ def test_patch_cache_is_bounded_in_bytes(tiny_encoder):
         cache.put(p)
     assert cache.get(patches[0].patch_id) is None
     assert cache.get(patches[2].patch_id) is patches[2]
+    assert cache.bytes == 2 * len(patches[0].data) and len(cache) == 2
+    # a hit is a patch found; a miss is counted by whoever had to fetch one (the catalog, the engine's parse)
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 0, 1)
 
 
 def test_default_minilm_mixed_batch(minilm):

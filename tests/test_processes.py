@@ -161,6 +161,19 @@ def test_hot_swap_reaches_every_front_end_and_metrics_add_up(tmp_path, tiny_bert
             assert _predict(base, "sts", [{"text": "a", "text_pair": "b"}] * 2).status_code == 200
         assert counted() == 24  # the request counters of both front ends, summed
         assert rows_run() - before == 48  # the engine's batches, seen from whichever front end answers /metrics
+        # the host tier of each process: each front end read each version it served once (a miss), then found it; the
+        # engine parsed it once per version a front end sent
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+
+        def tier(process: str, event: str) -> float:
+            found = re.search(
+                rf'patchserve_host_cache_events_total\{{event="{event}",process="{process}"\}} (\S+)', text
+            )
+            return float(found.group(1)) if found else 0.0
+
+        assert 1 <= tier("front_end", "miss") <= 6 and tier("front_end", "hit") >= 24 - 2
+        assert tier("engine", "miss") >= 1 and tier("engine", "hit") >= 1
+        assert re.search(r'patchserve_host_cache_bytes\{process="engine"\} [1-9]', text)
 
 
 def _load(base: str, stop: threading.Event, results: list[tuple[int, float, str]]) -> None:
@@ -331,10 +344,6 @@ def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_
 
     expected = {p.patch_id: [o.numpy().copy() for o in reference.runner.run(rows(p))] for p in patches}
 
-    async def scenario() -> list[str]:
-        async with _engine_in_process(tmp_path, settings, PatchCache(1)) as (_, remote):
-            return await _travel(remote)
-
     async def _travel(remote: RemoteEngine) -> list[str]:
         assert remote.info is not None and remote.info.fingerprint == tiny_encoder.spec.fingerprint
         sent: list[str] = []
@@ -351,10 +360,18 @@ def test_patches_travel_by_id_and_are_sent_again_when_the_engine_lacks_them(tmp_
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         return sent
 
+    cache = PatchCache(1)
+
+    async def scenario() -> list[str]:
+        async with _engine_in_process(tmp_path, settings, cache) as (_, remote):
+            return await _travel(remote)
+
     sent = asyncio.run(scenario())
     ids_sent = [p.patch_id for p in patches]
     # each once on first use; t0 again after the cache evicted it (Missing, then resent); then held
     assert sent == [*ids_sent, ids_sent[0]]
+    # the engine's host tier: four parses (misses), the last request's patch held (a hit), three made room
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.evictions) == (4, 1, 3)
 
 
 def test_requests_of_one_turn_go_out_as_one_message(tmp_path, tiny_bert_dir, tiny_encoder):

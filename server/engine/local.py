@@ -89,3 +89,4 @@ class LocalEngine:
         self.metrics.observe_batch(stats)
         self.metrics.queue_rows.set(self.batcher.queued_rows)
         self.metrics.sync_slots(self.runner.slots.stats)
+        self.metrics.sync_host_caches()

@@ -345,7 +345,7 @@ class EngineServer:
     async def _patches(self, msg: Requests) -> dict[str, Patch] | Missing:
         """The patches ``msg`` names, from the cache or the bytes it carries; ``Missing`` for those it lacks."""
         for pid, data in msg.patches.items():
-            if self.cache.get(pid) is None and pid not in self._parsing:
+            if not self.cache.holds(pid) and pid not in self._parsing:
                 self._parsing[pid] = asyncio.ensure_future(asyncio.to_thread(self._parse, pid, data))
                 self._parsing[pid].add_done_callback(functools.partial(self._parsed, pid))
         found: dict[str, Patch] = {}
@@ -360,7 +360,7 @@ class EngineServer:
                 missing.append(pid)
             else:
                 found[pid] = patch
-        return Missing(msg.id, sorted(missing)) if missing else found
+        return Missing(msg.id, sorted(missing)) if missing else found  # counted as misses once parsed
 
     def _parsed(self, pid: str, _: object) -> None:
         self._parsing.pop(pid, None)
@@ -371,6 +371,7 @@ class EngineServer:
             raise PatchError(f"the bytes sent for patch {pid} hash to {read}")
         patch = Patch.from_bytes(data, max_bytes=self.max_patch_bytes, patch_id=pid)
         patch.check_compatible(self.spec)
+        self.cache.missed()
         self.cache.put(patch)
         return patch
 
@@ -405,7 +406,8 @@ def _build(settings: ServerSettings) -> EngineServer:
     # GPU a runner thread waits for the device while the loop takes in the next requests.
     inline = device.type == "cpu"
     engine = LocalEngine(encoder, settings, metrics, inline=inline)
-    cache = PatchCache(settings.patch_cache_mb * 1024 * 1024)
+    cache = PatchCache(settings.host_cache_mb * 1024 * 1024)
+    metrics.add_host_cache(cache, "engine")
     if settings.preload:
         registry = open_registry(settings.registry)
         try:
