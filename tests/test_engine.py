@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import copy
+import gc
+import os
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from patchserve.patches.encoder import load_encoder
+from patchserve.patches.format import Patch, content_id
 from patchserve.patches.model import TaskModel
 from patchserve.server.engine.packed_backend import PackedBackend
-from patchserve.server.engine.patch_cache import PatchCache
+from patchserve.server.engine.patch_cache import PatchCache, footprint
 from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.runner import DTYPES, Runner
 from patchserve.server.engine.slots import SlotManager, SlotsExhaustedError
@@ -213,12 +217,12 @@ def test_slot_manager_never_evicts_pinned_slots():
 
 def test_patch_cache_is_bounded_in_bytes(tiny_encoder):
     patches = [make_patch(tiny_encoder, seed=i) for i in range(3)]
-    cache = PatchCache(max_bytes=2 * len(patches[0].data))
+    cache = PatchCache(max_bytes=2 * footprint(patches[0]))
     for p in patches:
         cache.put(p)
     assert cache.get(patches[0].patch_id) is None
     assert cache.get(patches[2].patch_id) is patches[2]
-    assert cache.bytes == 2 * len(patches[0].data) and len(cache) == 2
+    assert cache.bytes == 2 * footprint(patches[0]) and len(cache) == 2
     # a hit is a patch found; a miss is counted by whoever had to fetch one (the catalog, the engine's parse)
     assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 0, 1)
 
@@ -440,3 +444,26 @@ def test_slot_manager_acquire_is_all_or_nothing():
     sm.release(["a", "b"])
     mapping, to_load = sm.acquire(["c", "d", "e"])  # every slot is free to take again
     assert sorted(mapping.values()) == [0, 1, 2] and len(to_load) == 3
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process's memory from /proc")
+def test_the_host_tier_counts_what_its_patches_take_in_memory(tiny_encoder):
+    """--host-cache-mb bounds memory, not bytes on the wire: patches parsed as a registry read gives them grow the
+    process by about what the cache counts (a small patch's tensor objects outweigh its bytes several times)."""
+    template = make_patch(tiny_encoder, "t", seed=1)
+    gc.collect()
+    before = _rss()
+    cache = PatchCache(max_bytes=1 << 40)
+    for i in range(3000):
+        data = Patch(
+            replace(template.meta, task=f"t{i}"), template.biases, template.head_weight, template.head_bias
+        ).data
+        cache.put(Patch.from_bytes(data, patch_id=content_id(data)))
+    gc.collect()
+    grown = _rss() - before
+    assert len(cache) == 3000 and 0.6 < grown / cache.bytes < 1.4, (grown, cache.bytes)
