@@ -1,6 +1,7 @@
 """The patch file format: one ``.safetensors`` file per patch version.
 
-This module is the ONLY place that knows tensor key names and the header layout. A file holds
+This module (with ``patch_file.py``, which reads the header) is the ONLY place that knows tensor key names and the
+header layout. A file holds
 
 * ``bias.<encoder parameter name>``  float32 ``[dim]``  -- the trained value of each targeted bias
   (e.g. ``bias.encoder.layer.0.attention.self.query.bias``); untargeted biases keep the base value;
@@ -22,9 +23,7 @@ Nothing here unpickles: safetensors holds raw tensors only.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -50,6 +49,7 @@ from patchserve.patches.errors import (
     PatchVersionError,
     RetiredPatchTypeError,
 )
+from patchserve.patches.patch_file import check_fit, content_id, read_header
 from patchserve.patches.validation import (
     Label,
     is_finite_number,
@@ -79,8 +79,6 @@ LORA_A, LORA_B = ".lora_A", ".lora_B"
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
 DEFAULT_MAX_PATCH_BYTES = 64 * 1024 * 1024
-_MAX_HEADER_BYTES = 1024 * 1024
-_MAX_TENSORS = 4096  # BERT-large with every bias is ~400
 
 KINDS = ("classification", "regression", "token-classification")
 POOLINGS = ("mean", "cls", "pooler")
@@ -305,7 +303,7 @@ class Patch:
                 f"patch is {len(data)} bytes, over the {max_bytes}-byte limit; a BitFit patch is normally well "
                 "under 1 MB -- check that you are sending a patch file, not model weights"
             )
-        header = _read_header(data)
+        header = read_header(data)
         meta_text = (header.get("__metadata__") or {}).get(METADATA_KEY)
         if not isinstance(meta_text, str):
             raise PatchMetadataError(
@@ -429,8 +427,8 @@ class Patch:
                 f"({self.meta.base.fingerprint}), this server runs {base.name!r} ({base.fingerprint}); "
                 "retrain the patch on this base or start the server with that base"
             )
-        _check_fit("bias", self.biases, base.bias_shapes, "targets biases this encoder does not have")
-        _check_fit(
+        check_fit("bias", self.biases, base.bias_shapes, "targets biases this encoder does not have")
+        check_fit(
             "scale",
             self.scales,
             base.scale_shapes,
@@ -452,57 +450,3 @@ class Patch:
             raise PatchShapeError(
                 f"{HEAD_WEIGHT!r} expects hidden size {self.head_weight.shape[1]}, the encoder has {base.hidden_size}"
             )
-
-
-def _check_fit(
-    what: str, tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], unknown: str
-) -> None:
-    """Refuse ``tensors`` (a patch's biases or scales) where the encoder has no such parameter or another shape."""
-    extra = sorted(set(tensors) - set(shapes))
-    if extra:
-        example = next(iter(shapes), "(none)")
-        raise PatchKeysError(f"patch {unknown}: {extra[:5]} (this encoder's {what} names look like {example!r})")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(shapes[name]):
-            raise PatchShapeError(
-                f"{what} {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(shapes[name])}"
-            )
-
-
-def content_id(data: bytes) -> str:
-    """The id of a patch's canonical bytes (``Patch.patch_id``): ``sha256:`` and their hex digest."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def _read_header(data: bytes) -> dict[str, Any]:
-    """Parse the safetensors header (8-byte little-endian length + JSON) without touching tensor data."""
-    if len(data) < 8:
-        raise PatchCorruptError(f"patch is only {len(data)} bytes: truncated or not a safetensors file")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER_BYTES:
-        raise PatchCorruptError(
-            f"patch header is {n} bytes, over the {_MAX_HEADER_BYTES}-byte limit: not a patch file (a patch's "
-            "header is a few kilobytes)"
-        )
-    if 8 + n > len(data):
-        raise PatchCorruptError(
-            "patch header length does not fit the file: the file is truncated or not a safetensors file"
-        )
-    header = strict_json(data[8 : 8 + n], "patch header (the file is damaged)", PatchCorruptError)
-    if not isinstance(header, dict):
-        raise PatchCorruptError("patch header is not a JSON object: the file is damaged")
-    if len(header) > _MAX_TENSORS + 1:
-        raise PatchCorruptError(
-            f"patch has {len(header) - 1} tensors, over the limit of {_MAX_TENSORS}: not a BitFit patch"
-        )
-    ends = []
-    for key, v in header.items():
-        offsets = v.get("data_offsets") if isinstance(v, dict) and key != "__metadata__" else None
-        if offsets is None:
-            continue
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
-            raise PatchCorruptError(f"tensor {shown(key)} has malformed data offsets: the file is damaged")
-        ends.append(offsets[1])
-    if ends and 8 + n + max(ends) > len(data):
-        raise PatchCorruptError("patch tensor data is cut short: the file is truncated, copy it again")
-    return header

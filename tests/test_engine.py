@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from patchserve.patches.encoder import load_encoder
-from patchserve.patches.format import Patch, content_id
+from patchserve.patches.format import Patch
 from patchserve.patches.model import TaskModel
+from patchserve.patches.patch_file import content_id
 from patchserve.server.engine.packed_backend import PackedBackend
 from patchserve.server.engine.patch_cache import PatchCache, footprint
 from patchserve.server.engine.protocol import Row

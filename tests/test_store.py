@@ -22,7 +22,8 @@ from patchserve.patches.errors import (
     TaskNotFoundError,
     VersionNotFoundError,
 )
-from patchserve.patches.format import Patch, content_id
+from patchserve.patches.format import Patch
+from patchserve.patches.patch_file import content_id
 from patchserve.patches.store import Change, DiskRegistry, open_registry
 from patchserve.patches.store.base import page_names
 from patchserve.patches.store.redis import RedisRegistry

@@ -27,7 +27,8 @@ from patchserve.patches.errors import (
     TaskNotFoundError,
     VersionNotFoundError,
 )
-from patchserve.patches.format import DEFAULT_MAX_PATCH_BYTES, Patch, content_id
+from patchserve.patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
+from patchserve.patches.patch_file import content_id
 
 log = logging.getLogger(__name__)
 

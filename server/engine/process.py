@@ -37,7 +37,8 @@ import zmq
 
 from patchserve.patches.encoder import load_encoder, resolve_device
 from patchserve.patches.errors import PatchError, PatchServeError
-from patchserve.patches.format import BaseSpec, Patch, content_id
+from patchserve.patches.format import BaseSpec, Patch
+from patchserve.patches.patch_file import content_id
 from patchserve.patches.store import open_registry
 from patchserve.server.catalog import Catalog
 from patchserve.server.engine.batcher import Job
