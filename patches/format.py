@@ -286,6 +286,11 @@ class Patch:
         return self.biases | self.scales | self.lora
 
     @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, under its file key."""
+        return {key: tuple(t.shape) for key, t in self._keyed().items()}
+
+    @property
     def lora_rank(self) -> int:
         """The largest rank of the patch's LoRA factors (0: none)."""
         return max((int(t.shape[0]) for k, t in self.lora.items() if k.endswith(LORA_A)), default=0)
@@ -298,33 +303,11 @@ class Patch:
         ``patch_id``: the bytes' ``content_id``, which the caller has checked against a recorded one (a registry's
         record, the id a front end names): they are a patch's canonical bytes as ``data`` wrote them, so they are
         kept as its ``data`` instead of being written again (a patch read to be served is parsed, not re-encoded)."""
-        if len(data) > max_bytes:
-            raise PatchTooLargeError(
-                f"patch is {len(data)} bytes, over the {max_bytes}-byte limit; a BitFit patch is normally well "
-                "under 1 MB -- check that you are sending a patch file, not model weights"
-            )
-        header = read_header(data)
-        meta_text = (header.get("__metadata__") or {}).get(METADATA_KEY)
-        if not isinstance(meta_text, str):
-            raise PatchMetadataError(
-                f"the safetensors header has no {METADATA_KEY!r} metadata: this is not a patchserve patch "
-                "(export patches with `patchserve train` or patches.bitfit.extract_patch)"
-            )
-        meta = PatchMeta.from_json(meta_text)
+        meta, _ = read_meta(data, max_bytes)
         try:
             tensors = st_load(data)
         except (SafetensorError, ValueError, RuntimeError) as exc:
             raise PatchCorruptError(f"patch tensors cannot be read ({exc}); the file is damaged, re-export it") from exc
-        for key in (HEAD_WEIGHT, HEAD_BIAS):
-            if key not in tensors:
-                raise PatchKeysError(f"patch lacks the tensor {key!r}; re-export the patch")
-        prefixes = (BIAS_PREFIX, SCALE_PREFIX, LORA_PREFIX)
-        unknown = sorted(k for k in tensors if k not in (HEAD_WEIGHT, HEAD_BIAS) and not k.startswith(prefixes))
-        if unknown:
-            raise PatchKeysError(
-                f"patch has unknown tensor keys {unknown[:5]}; a patch holds only '{BIAS_PREFIX}<param>', "
-                f"'{SCALE_PREFIX}<name>', '{LORA_PREFIX}<module>{LORA_A}|{LORA_B}', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
-            )
 
         def under(prefix: str) -> dict[str, torch.Tensor]:
             return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -427,14 +410,14 @@ class Patch:
                 f"({self.meta.base.fingerprint}), this server runs {base.name!r} ({base.fingerprint}); "
                 "retrain the patch on this base or start the server with that base"
             )
-        check_fit("bias", self.biases, base.bias_shapes, "targets biases this encoder does not have")
-        check_fit(
-            "scale",
-            self.scales,
-            base.scale_shapes,
-            "scales what is not an (IA)^3 site of this encoder",
-        )
-        for name, t in self.lora.items():
+        shapes = self.shapes
+
+        def under(prefix: str) -> dict[str, tuple[int, ...]]:
+            return {k[len(prefix) :]: shape for k, shape in shapes.items() if k.startswith(prefix)}
+
+        check_fit("bias", under(BIAS_PREFIX), base.bias_shapes, "targets biases this encoder does not have")
+        check_fit("scale", under(SCALE_PREFIX), base.scale_shapes, "scales what is not an (IA)^3 site of this encoder")
+        for name, shape in under(LORA_PREFIX).items():
             module = name[: -len(LORA_A)]
             if module not in base.lora_shapes:
                 example = next(iter(base.lora_shapes), "(none)")
@@ -443,10 +426,40 @@ class Patch:
                     f"(they look like {example!r})"
                 )
             out_f, in_f = base.lora_shapes[module]
-            want = (t.shape[0], in_f) if name.endswith(LORA_A) else (out_f, t.shape[1])
-            if tuple(t.shape) != want:
-                raise PatchShapeError(f"LoRA factor {name!r} has shape {tuple(t.shape)}, this encoder needs {want}")
-        if self.head_weight.shape[1] != base.hidden_size:
+            want = (shape[0], in_f) if name.endswith(LORA_A) else (out_f, shape[-1])
+            if shape != want:
+                raise PatchShapeError(f"LoRA factor {name!r} has shape {shape}, this encoder needs {want}")
+        head = shapes[HEAD_WEIGHT]
+        if len(head) != 2 or head[1] != base.hidden_size:
             raise PatchShapeError(
-                f"{HEAD_WEIGHT!r} expects hidden size {self.head_weight.shape[1]}, the encoder has {base.hidden_size}"
+                f"{HEAD_WEIGHT!r} expects hidden size {head[-1] if head else '?'}, the encoder has {base.hidden_size}"
             )
+
+
+def read_meta(data: bytes, max_bytes: int = DEFAULT_MAX_PATCH_BYTES) -> tuple[PatchMeta, dict[str, Any]]:
+    """A patch file's metadata and safetensors header, its tensor keys checked, without reading its tensors."""
+    if len(data) > max_bytes:
+        raise PatchTooLargeError(
+            f"patch is {len(data)} bytes, over the {max_bytes}-byte limit; a BitFit patch is normally well "
+            "under 1 MB -- check that you are sending a patch file, not model weights"
+        )
+    header = read_header(data)
+    meta_text = (header.get("__metadata__") or {}).get(METADATA_KEY)
+    if not isinstance(meta_text, str):
+        raise PatchMetadataError(
+            f"the safetensors header has no {METADATA_KEY!r} metadata: this is not a patchserve patch "
+            "(export patches with `patchserve train` or patches.bitfit.extract_patch)"
+        )
+    meta = PatchMeta.from_json(meta_text)
+    keys = [k for k in header if k != "__metadata__"]
+    for key in (HEAD_WEIGHT, HEAD_BIAS):
+        if key not in keys:
+            raise PatchKeysError(f"patch lacks the tensor {key!r}; re-export the patch")
+    prefixes = (BIAS_PREFIX, SCALE_PREFIX, LORA_PREFIX)
+    unknown = sorted(k for k in keys if k not in (HEAD_WEIGHT, HEAD_BIAS) and not k.startswith(prefixes))
+    if unknown:
+        raise PatchKeysError(
+            f"patch has unknown tensor keys {unknown[:5]}; a patch holds only '{BIAS_PREFIX}<param>', "
+            f"'{SCALE_PREFIX}<name>', '{LORA_PREFIX}<module>{LORA_A}|{LORA_B}', {HEAD_WEIGHT!r} and {HEAD_BIAS!r}"
+        )
+    return meta, header

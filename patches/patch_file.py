@@ -8,8 +8,6 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from patchserve.patches.errors import PatchCorruptError, PatchKeysError, PatchShapeError
 from patchserve.patches.validation import shown, strict_json
 
@@ -18,18 +16,17 @@ _MAX_TENSORS = 4096  # BERT-large with every bias is ~400
 
 
 def check_fit(
-    what: str, tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], unknown: str
+    what: str, got: Mapping[str, tuple[int, ...]], shapes: Mapping[str, tuple[int, ...]], unknown: str
 ) -> None:
-    """Refuse ``tensors`` (a patch's biases or scales) where the encoder has no such parameter or another shape."""
-    extra = sorted(set(tensors) - set(shapes))
+    """Refuse a patch's biases or scales (``got``: their shapes by name) where the encoder has no such parameter or
+    another shape."""
+    extra = sorted(set(got) - set(shapes))
     if extra:
         example = next(iter(shapes), "(none)")
         raise PatchKeysError(f"patch {unknown}: {extra[:5]} (this encoder's {what} names look like {example!r})")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(shapes[name]):
-            raise PatchShapeError(
-                f"{what} {name!r} has shape {tuple(t.shape)}, the encoder's has {tuple(shapes[name])}"
-            )
+    for name, shape in got.items():
+        if tuple(shape) != tuple(shapes[name]):
+            raise PatchShapeError(f"{what} {name!r} has shape {tuple(shape)}, the encoder's has {tuple(shapes[name])}")
 
 
 def content_id(data: bytes) -> str:

@@ -205,7 +205,13 @@ async def _service(
     reg.max_patch_bytes = settings.max_patch_bytes
     cache = PatchCache(settings.host_cache_mb * 1024 * 1024)
     metrics.add_host_cache(cache, "front_end")
-    catalog = Catalog(reg, info.spec, cache, on_fetch=metrics.patch_load.labels(source="registry").observe)
+    catalog = Catalog(
+        reg,
+        info.spec,
+        cache,
+        on_fetch=metrics.patch_load.labels(source="registry").observe,
+        tensors=isinstance(engine, LocalEngine),  # the engine process parses what a front end sends it
+    )
     await asyncio.to_thread(catalog.start)
     if isinstance(engine, LocalEngine):
         if settings.preload:  # the engine process preloads for itself

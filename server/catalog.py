@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from patchserve.patches.errors import PatchServeError
 from patchserve.patches.format import BaseSpec, Patch
 from patchserve.patches.store import Change, Registry, VersionInfo
+from patchserve.patches.stored_patch import StoredPatch
 from patchserve.server.engine.patch_cache import PatchCache
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Catalog:
         *,
         watch_timeout: float = 1.0,
         on_fetch: Callable[[float], None] | None = None,
+        tensors: bool = True,
     ) -> None:
         self.registry = registry
         self.spec = spec
@@ -45,6 +47,9 @@ class Catalog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_fetch = on_fetch  # seconds to fetch + parse a patch from the registry
+        # parse a fetched patch's tensors before it is held (False: a front end of the engine process, which only
+        # forwards a patch's bytes, holds it unparsed: StoredPatch)
+        self.tensors = tensors
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,19 +107,23 @@ class Catalog:
 
     def resolve(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
         """The current (or the given) version of ``task`` and its patch (blocking: call from a worker thread)."""
-        info = self.current.get(task) if version is None else self.registry.info(task, version)
-        if info is None:
-            info = self.registry.info(task)  # TaskNotFoundError -> 404
+        known = self.current.get(task) if version is None else self.registry.info(task, version)
+        patch = None if known is None else self.cache.get(known.patch_id)
+        if known is not None and patch is not None:
+            return known, patch
+        t0 = time.perf_counter()
+        if known is None:  # a task not held: one read gives its current version and the patch (TaskNotFound: 404)
+            info, patch = self.registry.get(task)
             self.current.setdefault(task, info)
-        patch = self.cache.get(info.patch_id)
-        if patch is None:
-            self.cache.missed()
-            t0 = time.perf_counter()
-            _, patch = self.registry.get(task, info.version)
-            patch.check_compatible(self.spec)
-            self.cache.put(patch)
-            if self.on_fetch is not None:
-                self.on_fetch(time.perf_counter() - t0)
+        else:
+            info, patch = self.registry.get(task, known.version)
+        self.cache.missed()
+        patch.check_compatible(self.spec)
+        if self.tensors and isinstance(patch, StoredPatch):
+            patch.load()
+        self.cache.put(patch)
+        if self.on_fetch is not None:
+            self.on_fetch(time.perf_counter() - t0)
         return info, patch
 
     def recent_patches(self) -> Iterator[Patch]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
-import gc
-import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from patchserve.patches.encoder import load_encoder
-from patchserve.patches.format import Patch
 from patchserve.patches.model import TaskModel
-from patchserve.patches.patch_file import content_id
 from patchserve.server.engine.packed_backend import PackedBackend
 from patchserve.server.engine.patch_cache import PatchCache, footprint
 from patchserve.server.engine.protocol import Row
@@ -447,24 +445,39 @@ def test_slot_manager_acquire_is_all_or_nothing():
     assert sorted(mapping.values()) == [0, 1, 2] and len(to_load) == 3
 
 
-def _rss() -> int:
+_FILL = """
+import gc, os, sys
+from dataclasses import replace
+from patchserve.patches.format import Patch
+from patchserve.patches.patch_file import content_id
+from patchserve.patches.stored_patch import StoredPatch
+from patchserve.server.engine.patch_cache import PatchCache
+
+def rss():
     with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+t = Patch.read(sys.argv[1])
+gc.collect()
+before = rss()
+cache = PatchCache(max_bytes=1 << 40)
+for i in range(3000):
+    data = Patch(replace(t.meta, task=f"t{i}"), t.biases, t.head_weight, t.head_bias).data
+    pid = content_id(data)
+    cache.put(Patch.from_bytes(data, patch_id=pid) if sys.argv[2] == "parsed" else StoredPatch.from_stored(data, pid))
+gc.collect()
+print(rss() - before, cache.bytes, len(cache))
+"""
+
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process's memory from /proc")
-def test_the_host_tier_counts_what_its_patches_take_in_memory(tiny_encoder):
-    """--host-cache-mb bounds memory, not bytes on the wire: patches parsed as a registry read gives them grow the
-    process by about what the cache counts (a small patch's tensor objects outweigh its bytes several times)."""
-    template = make_patch(tiny_encoder, "t", seed=1)
-    gc.collect()
-    before = _rss()
-    cache = PatchCache(max_bytes=1 << 40)
-    for i in range(3000):
-        data = Patch(
-            replace(template.meta, task=f"t{i}"), template.biases, template.head_weight, template.head_bias
-        ).data
-        cache.put(Patch.from_bytes(data, patch_id=content_id(data)))
-    gc.collect()
-    grown = _rss() - before
-    assert len(cache) == 3000 and 0.6 < grown / cache.bytes < 1.4, (grown, cache.bytes)
+@pytest.mark.parametrize("held", ["parsed", "stored"])
+def test_the_host_tier_counts_what_its_patches_take_in_memory(tiny_encoder, tmp_path, held):
+    """--host-cache-mb bounds memory, not bytes on the wire: 3,000 patches as the engine holds them (parsed: a small
+    patch's tensor objects outweigh its bytes several times) or as a front end does (a registry's StoredPatch, its
+    tensors unparsed) grow a fresh process by about what the cache counts."""
+    template = tmp_path / "t.safetensors"
+    template.write_bytes(make_patch(tiny_encoder, "t", seed=1).data)
+    out = subprocess.run([sys.executable, "-c", _FILL, str(template), held], capture_output=True, text=True, check=True)
+    grown, counted, n = (int(x) for x in out.stdout.split())
+    assert n == 3000 and 0.6 < grown / counted < 1.4, (grown, counted)

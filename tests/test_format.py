@@ -22,6 +22,7 @@ from patchserve.patches.errors import (
     PatchVersionError,
 )
 from patchserve.patches.format import METADATA_KEY, BaseSpec, Patch
+from patchserve.patches.stored_patch import StoredPatch
 from patchserve.patches.validation import validate_task_name
 from tests.helpers import make_patch
 
@@ -215,8 +216,11 @@ def test_non_finite_values_refused(tiny_encoder, bad):
         Patch.from_bytes(_raw(patch, tensors=_tensors(patch) | {"bias." + name: poisoned}))
 
 
-def test_compatibility_with_the_encoder(tiny_encoder):
-    patch = make_patch(tiny_encoder)
+@pytest.mark.parametrize("form", ["parsed", "stored"])
+def test_compatibility_with_the_encoder(tiny_encoder, form):
+    made = make_patch(tiny_encoder)
+    # as a registry's read gives it: its tensors unparsed
+    patch = made if form == "parsed" else StoredPatch.from_stored(made.data, made.patch_id)
     patch.check_compatible(tiny_encoder.spec)  # fits
     other = replace(tiny_encoder.spec, name="other-base", fingerprint="sha256:" + "0" * 64)
     with pytest.raises(FingerprintMismatchError) as exc:
@@ -224,7 +228,7 @@ def test_compatibility_with_the_encoder(tiny_encoder):
     assert tiny_encoder.fingerprint in str(exc.value) and "sha256:000" in str(exc.value)
     assert "retrain" in str(exc.value)
     shapes = dict(tiny_encoder.spec.bias_shapes)
-    first = next(iter(patch.biases))
+    first = next(iter(made.biases))
     del shapes[first]
     with pytest.raises(PatchKeysError, match="does not have"):
         patch.check_compatible(replace(tiny_encoder.spec, bias_shapes=shapes))
@@ -233,6 +237,7 @@ def test_compatibility_with_the_encoder(tiny_encoder):
         patch.check_compatible(replace(tiny_encoder.spec, bias_shapes=shapes))
     with pytest.raises(PatchShapeError, match="hidden size"):
         patch.check_compatible(BaseSpec(tiny_encoder.name, tiny_encoder.fingerprint, 64, tiny_encoder.spec.bias_shapes))
+    assert form == "parsed" or not patch.loaded  # a stored patch is checked from its header alone
 
 
 def test_a_patch_with_ia3_scales_round_trips_and_keeps_to_its_kind(tiny_encoder):

@@ -28,6 +28,7 @@ from patchserve.patches.store import Change, DiskRegistry, open_registry
 from patchserve.patches.store.base import page_names
 from patchserve.patches.store.redis import RedisRegistry
 from patchserve.patches.store.redis_client import parse_redis_url
+from patchserve.patches.stored_patch import StoredPatch
 from tests.helpers import make_patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,10 @@ def test_put_get_versions_round_trip(registry, patches_abc):
     assert (v1.task, v1.version, v1.patch_id, v1.size) == ("sentiment", 1, a.patch_id, len(a.data))
     info, got = registry.get("sentiment")
     assert info == v1 and got.data == a.data
+    # read without its tensors: metadata and shapes from the header, the tensors parsed on first use
+    assert isinstance(got, StoredPatch) and not got.loaded and got.shapes == a.shapes and got.meta == a.meta
+    assert torch.equal(got.head_weight, a.head_weight) and got.loaded
+    assert got.biases.keys() == a.biases.keys() and all(torch.equal(got.biases[k], a.biases[k]) for k in a.biases)
     v2 = registry.put(b)
     assert v2.version == 2 and registry.info("sentiment") == v2
     assert registry.get("sentiment")[1].patch_id == b.patch_id

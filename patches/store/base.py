@@ -29,6 +29,7 @@ from patchserve.patches.errors import (
 )
 from patchserve.patches.format import DEFAULT_MAX_PATCH_BYTES, Patch
 from patchserve.patches.patch_file import content_id
+from patchserve.patches.stored_patch import StoredPatch
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +284,9 @@ class Registry(ABC):
         return found
 
     def get(self, task: str, version: int | None = None) -> tuple[VersionInfo, Patch]:
-        """The current (or given) version, parsed and checked against its recorded content hash. A stored patch this
-        build cannot use (a retired patch type, say) is a PatchError of the same kind that names the version."""
+        """The current (or given) version, its bytes checked against their recorded content id, its metadata read
+        (the tensors are parsed on first use: ``StoredPatch``). A stored patch this build cannot use (a retired patch
+        type, say) is a PatchError of the same kind that names the version."""
         info, data = self.get_bytes(task, version)
         read = content_id(data)
         if read != info.patch_id:
@@ -293,7 +295,7 @@ class Registry(ABC):
                 f"(read {read}): the registry is damaged; re-register the patch"
             )
         try:
-            patch = Patch.from_bytes(data, max_bytes=max(self.max_patch_bytes, len(data)), patch_id=read)
+            patch = StoredPatch.from_stored(data, read, max_bytes=max(self.max_patch_bytes, len(data)))
         except PatchError as exc:
             raise type(exc)(f"{task!r} v{info.version} ({info.patch_id}) in {self.url}: {exc}") from exc
         return info, patch
