@@ -103,6 +103,12 @@ class BaseSpec:
     scale_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # (IA)^3 sites
     lora_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # LoRA sites: module -> (out, in)
 
+    @property
+    def patch_types(self) -> list[str]:
+        """The patch types this encoder can serve: those whose sites it has."""
+        sites = {PATCH_TYPE: self.bias_shapes, IA3_PATCH_TYPE: self.scale_shapes, LORA_PATCH_TYPE: self.lora_shapes}
+        return [kind for kind, have in sites.items() if have]
+
 
 @dataclass
 class PatchMeta:

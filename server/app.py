@@ -120,7 +120,9 @@ async def _local_engine(
     """The engine in this process (``--workers 0``): load the encoder, move it to the device."""
     enc = encoder if encoder is not None else await asyncio.to_thread(load_encoder, settings.model)
     info = EncoderInfo.of(enc)  # its spec comes from the plain model, before the runner rewrites its modules
-    return info, LocalEngine(enc, settings, metrics)
+    engine = LocalEngine(enc, settings, metrics)
+    runner = engine.runner
+    return info.served_by(runner.path, str(runner.dtype).removeprefix("torch.")), engine
 
 
 async def _remote_engine(address: str) -> tuple[EncoderInfo, RemoteEngine]:
@@ -227,7 +229,20 @@ async def _service(
     orphaned = None if engine_address is None else asyncio.ensure_future(_stop_when_orphaned())
     gc.collect()
     gc.freeze()
-    log.info("patchserve ready: %s (%s) on %s, registry %s", info.name, info.fingerprint[:19], engine.device, reg.url)
+    described = info.describe(settings.max_seq_length)
+    metrics.set_encoder(described | {"device": engine.device})
+    log.info(
+        "patchserve ready: %s (%s, %s) on %s in %s, %s engine, inputs up to %d tokens, serving %s; registry %s",
+        info.name,
+        described["family"],
+        info.fingerprint[:19],
+        engine.device,
+        described["dtype"],
+        described["engine"],
+        described["max_seq_length"],
+        ", ".join(described["patch_types"]) or "no patch type (the encoder has no bias, scale or LoRA site)",
+        reg.url,
+    )
     try:
         yield Service(settings, info, reg, engine, catalog, metrics, queue)
     finally:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Protocol
 
 import numpy as np
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from patchserve.patches.arch import model_type_of
 from patchserve.patches.encoder import Encoder
 from patchserve.patches.format import BaseSpec
 from patchserve.patches.jobs import JobQueue
@@ -45,6 +46,9 @@ class EncoderInfo:
     tokenizer: Any
     max_positions: int
     default_pooling: str
+    family: str = ""  # the model_type
+    path: str = ""  # the engine that serves: 'packed' or 'slotted'
+    dtype: str = ""
 
     @classmethod
     def of(cls, encoder: Encoder) -> EncoderInfo:
@@ -55,7 +59,23 @@ class EncoderInfo:
             encoder.tokenizer,
             encoder.max_positions,
             encoder.default_pooling,
+            model_type_of(encoder.model),
         )
+
+    def served_by(self, path: str, dtype: str) -> EncoderInfo:
+        """This encoder as an engine serves it: its path ('packed' or 'slotted') and compute dtype."""
+        return replace(self, path=path, dtype=dtype)
+
+    def describe(self, max_seq_length: int) -> dict[str, Any]:
+        """What /readyz, /metrics and the start-up line say of it: family, engine path, dtype, the longest input in
+        tokens (the setting, within the encoder's positions) and the patch types it serves."""
+        return {
+            "family": self.family or "unknown",
+            "engine": self.path,
+            "dtype": self.dtype,
+            "max_seq_length": min(max_seq_length, self.max_positions),
+            "patch_types": self.spec.patch_types,
+        }
 
     @classmethod
     def from_engine(cls, info: Info, tokenizer: Any) -> EncoderInfo:
@@ -63,7 +83,17 @@ class EncoderInfo:
         scales = {name: tuple(shape) for name, shape in info.scale_shapes.items()}
         lora = {name: (int(shape[0]), int(shape[1])) for name, shape in info.lora_shapes.items()}
         spec = BaseSpec(info.name, info.fingerprint, info.hidden_size, shapes, scales, lora)
-        return cls(info.name, info.fingerprint, spec, tokenizer, info.max_positions, info.default_pooling)
+        return cls(
+            info.name,
+            info.fingerprint,
+            spec,
+            tokenizer,
+            info.max_positions,
+            info.default_pooling,
+            info.family,
+            info.path,
+            info.dtype,
+        )
 
 
 @dataclass

@@ -91,6 +91,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        self.encoder = Gauge(
+            "patchserve_encoder_info",
+            "The encoder served (always 1): its family (model_type), engine path (packed or slotted), compute dtype, "
+            "device, longest input in tokens and the patch types it serves.",
+            ["family", "engine", "dtype", "device", "max_seq_length", "patch_types"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.jobs = Gauge(
             "patchserve_jobs",
             "Training jobs by status among the most recent 500.",
@@ -149,6 +157,11 @@ class Metrics:
             self._rates = {task: (n - before.get(task, 0.0)) / (now - since) for task, n in counts.items()}
             self._counted = (now, counts)
         return self._rates
+
+    def set_encoder(self, described: dict[str, object]) -> None:
+        """``patchserve_encoder_info``: ``described`` (``EncoderInfo.describe`` and the device) as labels."""
+        labels = {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in described.items()}
+        self.encoder.labels(**labels).set(1)
 
     def set_jobs(self, statuses: list[str]) -> None:
         for status in JOB_STATUSES:

@@ -204,7 +204,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses=errors(503), tags=["ops"])
-async def readyz(svc: ServiceDep) -> dict[str, str]:
+async def readyz(svc: ServiceDep) -> dict[str, Any]:
     """The encoder is loaded (in this process or the engine process) and the registry answers."""
     problem = svc.engine.problem()
     if problem is not None:
@@ -219,6 +219,7 @@ async def readyz(svc: ServiceDep) -> dict[str, str]:
         "fingerprint": svc.encoder.fingerprint,
         "registry": svc.registry.url,
         "device": svc.engine.device,
+        **svc.encoder.describe(svc.settings.max_seq_length),
     }
 
 

@@ -5,12 +5,14 @@ to the same checks with no other edit."""
 from __future__ import annotations
 
 import copy
+import logging
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from torch import nn
 from transformers import AutoConfig, AutoModel
 
@@ -20,9 +22,12 @@ from patchserve.patches.encoder import load_encoder
 from patchserve.patches.errors import EncoderError, PatchKeysError
 from patchserve.patches.lora import lora_roles, targets_of
 from patchserve.patches.model import TaskModel
+from patchserve.patches.packed import packed_unsupported
 from patchserve.patches.synthetic import random_patch
+from patchserve.server.app import create_app
 from patchserve.server.engine.protocol import Row
 from patchserve.server.engine.runner import Runner
+from patchserve.server.settings import ServerSettings
 from tests.helpers import tiny_vocab
 
 LAYERS = 2
@@ -170,6 +175,24 @@ def test_every_kind_serves_on_the_slotted_engine_as_on_the_plain_model(family_en
         with torch.no_grad():
             want = plain(ids, torch.ones_like(ids))[0]
         torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+
+
+def test_readyz_metrics_and_the_start_up_line_say_what_serves_the_family(family_encoder, tmp_path, caplog):
+    """The family, the engine path (packed only where the family's layers are packed), the dtype, the longest input
+    and the patch types served, on /readyz, in patchserve_encoder_info and in the start-up line."""
+    enc = load_encoder(str(family_encoder))
+    family = enc.model.config.model_type
+    path = "slotted" if packed_unsupported(enc.model) else "packed"
+    settings = ServerSettings(model=str(family_encoder), registry=f"disk://{tmp_path}/reg", device="cpu", slots=4)
+    with caplog.at_level(logging.INFO, logger="patchserve"), TestClient(create_app(settings)) as client:
+        ready = client.get("/readyz").json()
+        text = client.get("/metrics").text
+    assert (ready["family"], ready["engine"], ready["dtype"]) == (family, path, "float32")
+    assert ready["max_seq_length"] == min(settings.max_seq_length, enc.max_positions)
+    assert ready["patch_types"] == ["bitfit", "bitfit-ia3", "lora"] == enc.spec.patch_types
+    info = re.search(r"patchserve_encoder_info\{([^}]*)\} 1\.0", text)
+    assert info and f'family="{family}"' in info.group(1) and f'engine="{path}"' in info.group(1), text
+    assert any(f"({family}, " in r.message and f"{path} engine" in r.message for r in caplog.records)
 
 
 _MODERNBERT_IDS = {"pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3, "bos_token_id": 2, "eos_token_id": 3}

@@ -114,6 +114,10 @@ def test_front_ends_answer_as_the_one_process_server(tmp_path, tiny_bert_dir, ti
         lora = make_patch(tiny_encoder, "lora2", seed=5, lora_rank=2, lora_targets=("key", "intermediate.dense"))
         r = httpx.post(f"{server.base}/tasks", files={"patch": ("p.safetensors", lora.data)}, timeout=30)
         assert r.status_code == 201 and r.json()["patch_type"] == "lora", r.text
+        # what serves, as the engine process told its front ends (the Info message)
+        ready = httpx.get(f"{server.base}/readyz", timeout=10).json()
+        assert (ready["family"], ready["engine"], ready["dtype"]) == ("bert", "packed", "float32")
+        assert ready["patch_types"] == ["bitfit", "bitfit-ia3", "lora"]
         # on the CPU the engine's forward takes every core
         assert f"{available_cpus()} CPU threads" in server.log.read_text()
 

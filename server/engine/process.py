@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import zmq
 
+from patchserve.patches.arch import model_type_of
 from patchserve.patches.encoder import load_encoder, resolve_device
 from patchserve.patches.errors import PatchError, PatchServeError
 from patchserve.patches.format import BaseSpec, Patch
@@ -377,7 +378,9 @@ class EngineServer:
         return patch
 
 
-def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions: int, pooling: str) -> Info:
+def engine_info(
+    engine: LocalEngine, spec: BaseSpec, source: str, max_positions: int, pooling: str, family: str = ""
+) -> Info:
     runner = engine.runner
     return Info(
         engine_id=uuid.uuid4().hex,
@@ -394,6 +397,8 @@ def engine_info(engine: LocalEngine, spec: BaseSpec, source: str, max_positions:
         slots=runner.slots.capacity,
         scale_shapes={name: list(shape) for name, shape in spec.scale_shapes.items()},
         lora_shapes={name: list(shape) for name, shape in spec.lora_shapes.items()},
+        family=family,
+        path=runner.path,
     )
 
 
@@ -417,7 +422,9 @@ def _build(settings: ServerSettings) -> EngineServer:
             log.info("engine: preloaded %d of %d tasks", loaded, len(catalog.current))
         finally:
             registry.close()
-    info = engine_info(engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling)
+    info = engine_info(
+        engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling, model_type_of(encoder.model)
+    )
     return EngineServer(engine, spec, info, cache, settings.max_patch_bytes)
 
 

@@ -105,6 +105,8 @@ class Info(msgspec.Struct, tag="info", array_like=True, frozen=True):
     slots: int
     scale_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the (IA)^3 sites
     lora_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the LoRA sites: [out, in]
+    family: str = ""  # the encoder's model_type
+    path: str = ""  # the engine that serves: 'packed' or 'slotted'
 
 
 class Results(msgspec.Struct, tag="results", array_like=True, frozen=True):

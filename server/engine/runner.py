@@ -116,6 +116,11 @@ class Runner:
         log.info("runner: %s on %s (%s), %d slots", encoder.name, self.device, self.dtype, n_slots)
 
     @property
+    def path(self) -> str:
+        """Which engine serves: 'packed' or 'slotted'."""
+        return "packed" if isinstance(self.backend, PackedBackend) else "slotted"
+
+    @property
     def slot_bytes(self) -> int:
         """Device bytes one resident task takes (the backend's banks and heads)."""
         return self.backend.slot_bytes
