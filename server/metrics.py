@@ -19,8 +19,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from patchserve.patches.api import JOB_STATUSES
 from patchserve.server.engine.batcher import BatchStats
-from patchserve.server.engine.patch_cache import CacheStats, PatchCache
-from patchserve.server.engine.slots import SlotStats
+from patchserve.server.engine.patch_cache import PatchCache
+from patchserve.server.engine.slots import TierStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -106,8 +106,8 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
-        self._slots_seen = SlotStats()
-        self._host_caches: list[tuple[str, PatchCache, CacheStats]] = []  # (process, cache, its totals last folded)
+        self._slots_seen = TierStats()
+        self._host_caches: list[tuple[str, PatchCache, TierStats]] = []  # (process, cache, its totals last folded)
         self._counted: tuple[float, dict[str, float]] | None = None  # (when, requests per task) at the last rate
         self._rates: dict[str, float] = {}
 
@@ -167,13 +167,13 @@ class Metrics:
         for status in JOB_STATUSES:
             self.jobs.labels(status=status).set(statuses.count(status))
 
-    def sync_slots(self, stats: SlotStats) -> None:
+    def sync_slots(self, stats: TierStats) -> None:
         """Fold the slot manager's running totals into the counters."""
         _fold(stats, self._slots_seen, lambda event: self.slot_events.labels(event=event))
 
     def add_host_cache(self, cache: PatchCache, process: str) -> None:
         """Count ``cache``'s events under ``process`` from now on (``sync_host_caches`` folds them in)."""
-        self._host_caches.append((process, cache, CacheStats(**vars(cache.stats))))
+        self._host_caches.append((process, cache, TierStats(**vars(cache.stats))))
         self.host_cache_bytes.labels(process=process).set(cache.bytes)
 
     def sync_host_caches(self) -> None:
@@ -186,7 +186,7 @@ class Metrics:
         return self.host_cache_events.labels(process=process, event=event)
 
 
-def _fold(totals: SlotStats | CacheStats, seen: SlotStats | CacheStats, counter: Callable[[str], Counter]) -> bool:
+def _fold(totals: TierStats, seen: TierStats, counter: Callable[[str], Counter]) -> bool:
     """Add what ``totals`` (hits, misses, evictions) grew by since ``seen`` to ``counter(event)``; whether they grew."""
     grew = False
     for field, event in (("hits", "hit"), ("misses", "miss"), ("evictions", "eviction")):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from patchserve.patches.format import Patch
 from patchserve.patches.stored_patch import StoredPatch
+from patchserve.server.engine.slots import TierStats
 
 # What a parsed patch takes in host memory beyond its values (measured with torch 2.13 on x86-64, 2026-12-08: 5,000
 # patches of a 1-layer BERT, 12 tensors and 3.3 KB of bytes each, took 19.5 KB each): a tensor object, its storage
@@ -31,16 +31,6 @@ def footprint(patch: Patch) -> int:
     )
 
 
-@dataclass
-class CacheStats:
-    """Running totals: lookups that found their patch (``hits``), patches that had to be read or parsed because they
-    were not held (``misses``, counted by whoever fetched them), patches dropped for room (``evictions``)."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-
-
 class PatchCache:
     """LRU of parsed patches by id, bounded in bytes; thread-safe (request handlers fill it from threads)."""
 
@@ -49,7 +39,7 @@ class PatchCache:
         self._items: OrderedDict[str, tuple[Patch, int]] = OrderedDict()  # id -> (patch, its footprint)
         self._bytes = 0
         self._lock = threading.Lock()
-        self.stats = CacheStats()
+        self.stats = TierStats()  # a miss is counted by whoever fetched the patch: ``missed``
 
     @property
     def bytes(self) -> int:

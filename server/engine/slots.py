@@ -16,7 +16,10 @@ class SlotsExhaustedError(RuntimeError):
 
 
 @dataclass
-class SlotStats:
+class TierStats:
+    """Running totals of one tier of patches (the device slots, a host cache): patches found (``hits``), patches that
+    had to be brought in (``misses``), patches dropped for room (``evictions``)."""
+
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -35,7 +38,7 @@ class SlotManager:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._free = list(range(capacity - 1, -1, -1))
         self._pins: dict[str, int] = {}  # id -> batches in flight using it
-        self.stats = SlotStats()
+        self.stats = TierStats()
 
     def __contains__(self, patch_id: str) -> bool:
         return patch_id in self._slot_of
