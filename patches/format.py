@@ -310,6 +310,12 @@ class Patch:
         record, the id a front end names): they are a patch's canonical bytes as ``data`` wrote them, so they are
         kept as its ``data`` instead of being written again (a patch read to be served is parsed, not re-encoded)."""
         meta, _ = read_meta(data, max_bytes)
+        return cls.with_tensors(meta, data, patch_id)
+
+    @classmethod
+    def with_tensors(cls, meta: PatchMeta, data: bytes, patch_id: str | None = None) -> Patch:
+        """The patch of ``data`` whose metadata ``read_meta`` read (its keys checked), its tensors parsed and checked
+        (``patch_id`` as ``from_bytes`` takes it)."""
         try:
             tensors = st_load(data)
         except (SafetensorError, ValueError, RuntimeError) as exc:

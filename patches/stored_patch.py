@@ -44,7 +44,7 @@ class StoredPatch(Patch):
 
     @cached_property
     def _tensors(self) -> Patch:
-        return Patch.from_bytes(self.data, max_bytes=len(self.data), patch_id=self.patch_id)
+        return Patch.with_tensors(self.meta, self.data, self.patch_id)  # its metadata read once, in from_stored
 
     def load(self) -> StoredPatch:
         """Parse (and check) the tensors now, if not yet done."""
