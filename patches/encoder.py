@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchserve.patches.arch import arch_of
+from patchserve.patches.arch import arch_of, family_name
 from patchserve.patches.bitfit import bias_shapes, scale_shapes
 from patchserve.patches.errors import EncoderError
 from patchserve.patches.format import BaseSpec
@@ -50,6 +50,11 @@ class Encoder:
     default_pooling: str
     max_positions: int
     _spec: BaseSpec | None = field(default=None, repr=False)
+
+    @property
+    def family(self) -> str:
+        """The encoder's family, as /readyz and the metrics name it (``arch.family_name``)."""
+        return family_name(self.model)
 
     @property
     def hidden_size(self) -> int:

@@ -11,7 +11,6 @@ import numpy as np
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from patchserve.patches.arch import model_type_of
 from patchserve.patches.encoder import Encoder
 from patchserve.patches.format import BaseSpec
 from patchserve.patches.jobs import JobQueue
@@ -46,7 +45,7 @@ class EncoderInfo:
     tokenizer: Any
     max_positions: int
     default_pooling: str
-    family: str = ""  # the model_type
+    family: str = ""  # Encoder.family
     path: str = ""  # the engine that serves: 'packed' or 'slotted'
     dtype: str = ""
 
@@ -59,7 +58,7 @@ class EncoderInfo:
             encoder.tokenizer,
             encoder.max_positions,
             encoder.default_pooling,
-            model_type_of(encoder.model),
+            encoder.family,
         )
 
     def served_by(self, path: str, dtype: str) -> EncoderInfo:
@@ -70,7 +69,7 @@ class EncoderInfo:
         """What /readyz, /metrics and the start-up line say of it: family, engine path, dtype, the longest input in
         tokens (the setting, within the encoder's positions) and the patch types it serves."""
         return {
-            "family": self.family or "unknown",
+            "family": self.family,
             "engine": self.path,
             "dtype": self.dtype,
             "max_seq_length": min(max_seq_length, self.max_positions),

@@ -10,6 +10,7 @@ from patchserve.patches.arch.registry import (
     arch_of,
     arch_of_sites,
     described,
+    family_name,
     model_type_of,
     undescribed,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "arch_of",
     "arch_of_sites",
     "described",
+    "family_name",
     "model_type_of",
     "undescribed",
 ]

@@ -25,6 +25,12 @@ def model_type_of(model_or_config: Any) -> str:
     return str(getattr(config, "model_type", "") or "")
 
 
+def family_name(model_or_config: Any) -> str:
+    """What /readyz and the metrics call an encoder's family: its ``model_type`` (the described family's name would
+    say "roberta" for XLM-R and CamemBERT alike), "unknown" where it has none."""
+    return model_type_of(model_or_config) or "unknown"
+
+
 def arch_of(model_or_config: Any) -> Arch | None:
     """The family of a Hugging Face model or config; None for one no description covers."""
     return ARCHS.get(model_type_of(model_or_config))

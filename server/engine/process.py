@@ -35,7 +35,6 @@ import numpy as np
 import torch
 import zmq
 
-from patchserve.patches.arch import model_type_of
 from patchserve.patches.encoder import load_encoder, resolve_device
 from patchserve.patches.errors import PatchError, PatchServeError
 from patchserve.patches.format import BaseSpec, Patch
@@ -422,9 +421,7 @@ def _build(settings: ServerSettings) -> EngineServer:
             log.info("engine: preloaded %d of %d tasks", loaded, len(catalog.current))
         finally:
             registry.close()
-    info = engine_info(
-        engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling, model_type_of(encoder.model)
-    )
+    info = engine_info(engine, spec, encoder.source, encoder.max_positions, encoder.default_pooling, encoder.family)
     return EngineServer(engine, spec, info, cache, settings.max_patch_bytes)
 
 

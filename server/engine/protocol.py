@@ -105,7 +105,7 @@ class Info(msgspec.Struct, tag="info", array_like=True, frozen=True):
     slots: int
     scale_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the (IA)^3 sites
     lora_shapes: dict[str, list[int]] = msgspec.field(default_factory=dict)  # the LoRA sites: [out, in]
-    family: str = ""  # the encoder's model_type
+    family: str = ""  # the encoder's family (Encoder.family)
     path: str = ""  # the engine that serves: 'packed' or 'slotted'
 
 
